@@ -1,0 +1,24 @@
+"""aaccl: async/await collective communication for ACCL.
+
+Every primitive and collective is an awaitable `Call`; calls chain through
+`waitfor=[...]` into dependency graphs the device schedules. Runs on the embedded
+software CCLO with no FPGA.
+"""
+
+from ._constants import (
+    GLOBAL_COMM,
+    TAG_ANY,
+    CompressionFlags,
+    ErrorCode,
+    ReduceFunction,
+    StreamFlags,
+)
+from ._errors import ACCLError, CCLOError, DependencyError
+from .api import ACCL, Buffer, Call, open_world, run
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ACCL", "ACCLError", "Buffer", "CCLOError", "Call", "CompressionFlags", "DependencyError",
+    "ErrorCode", "GLOBAL_COMM", "ReduceFunction", "StreamFlags", "TAG_ANY", "open_world", "run",
+]

@@ -1,0 +1,28 @@
+"""Exceptions raised by aaccl."""
+
+from __future__ import annotations
+
+from ._constants import ErrorCode
+
+
+class ACCLError(Exception):
+    """Base of every error aaccl raises for a call that did not succeed."""
+
+
+class CCLOError(ACCLError):
+    """The CCLO ran the call and returned a non-zero return code."""
+
+    def __init__(self, operation: str, code: int) -> None:
+        self.operation = operation
+        self.code = ErrorCode(code)
+        names = ", ".join(self.code.names()) or "no error bits"
+        super().__init__(f"{operation} failed on the CCLO: {names} (retcode {int(code):#x})")
+
+    def __reduce__(self):  # keeps the two arguments across pickling (e.g. to another process)
+        return type(self), (self.operation, int(self.code))
+
+
+class DependencyError(ACCLError):
+    """The call never ran because a call in its `waitfor` did not succeed."""
+
+

@@ -1,0 +1,8 @@
+"""The public API: ACCL, Buffer, Call, and worlds of ranks."""
+
+from ._accl import ACCL
+from ._buffer import Buffer
+from ._call import Call
+from ._world import open_world, run
+
+__all__ = ["ACCL", "Buffer", "Call", "open_world", "run"]

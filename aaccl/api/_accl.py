@@ -1,0 +1,331 @@
+"""`ACCL`: one rank's handle on its CCLO, with every primitive and collective."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import anyio
+import numpy as np
+
+from .._constants import GLOBAL_COMM, TAG_ANY, ReduceFunction, Scenario
+from ..driver import Driver
+from . import _bridge
+from . import _checks as check
+from ._buffer import Buffer, allocate
+from ._call import Call
+
+Calls = Iterable[Call]
+
+
+def _head(buf: Buffer, elements: int) -> Buffer:
+    """The first `elements` elements of a buffer, as a flat Buffer view."""
+    return buf.reshape(-1)[:elements]
+
+
+class ACCL:
+    """One rank: its CCLO, its buffers, and the operations it runs.
+
+    Every operation validates its arguments, syncs host data to the device (unless
+    `from_fpga`), submits one call and returns its `Call` at once; the result is
+    synced back to host memory (unless `to_fpga`) before the call completes.
+    Leaving `async with accl:` (or `aclose()`) waits for outstanding calls and
+    releases the device.
+    """
+
+    def __init__(self, driver: Driver) -> None:
+        self._driver = driver
+        world = driver.comm(GLOBAL_COMM)
+        self._rank, self._size = world.local_rank, len(world.ranks)
+        self._lock = threading.Lock()
+        self._outstanding: set[Call] = set()
+        self._ncalls = 0
+        self._closed = False
+
+    @classmethod
+    async def open(cls, driver: Driver) -> ACCL:
+        """Configure the driver's CCLO (off the event loop) and return its ACCL."""
+        await anyio.to_thread.run_sync(driver.configure)
+        return cls(driver)
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the global communicator."""
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the global communicator."""
+        return self._size
+
+    def __repr__(self) -> str:
+        return f"<ACCL rank {self._rank} of {self._size}>"
+
+    # -- lifetime -----------------------------------------------------------------
+
+    async def __aenter__(self) -> ACCL:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Wait for every outstanding call, then release the device."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            while True:
+                with self._lock:
+                    pending = next(iter(self._outstanding), None)
+                if pending is None:
+                    break
+                await _bridge.wait(pending._register)
+                with self._lock:
+                    self._outstanding.discard(pending)
+            await anyio.to_thread.run_sync(self._driver.close)
+
+    # -- memory and communicators ---------------------------------------------------
+
+    def allocate(self, shape: int | tuple[int, ...], dtype: Any = np.float32) -> Buffer:
+        """A zeroed host array with a twin in this rank's device memory."""
+        self._check_open()
+        return allocate(self._driver.device, self, shape, check.dtype(dtype))
+
+    def split_communicator(self, indices: Sequence[int]) -> int:
+        """Make a communicator of the global ranks `indices` (this rank among them);
+        return its `comm_id`. Every member must split with the same indices."""
+        self._check_open()
+        ranks = [check.index(i, "rank", self._size) for i in indices]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"indices {list(indices)} repeat a rank")
+        if self._rank not in ranks:
+            raise ValueError(f"rank {self._rank} is not in indices {ranks}: only members "
+                             "split a communicator")
+        return self._driver.split_communicator(ranks)
+
+    def _comm_size(self, comm_id: Any) -> int:
+        if isinstance(comm_id, bool) or not isinstance(comm_id, int) \
+                or not 0 <= comm_id < len(self._driver.communicators):
+            raise ValueError(f"unknown comm_id {comm_id!r}: this rank has communicators "
+                             f"0..{len(self._driver.communicators) - 1}")
+        return len(self._driver.comm(comm_id).ranks)
+
+    def _comm_rank(self, comm_id: int) -> int:
+        return self._driver.comm(comm_id).local_rank
+
+    # -- submission -----------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+
+    def _submit(self, op: str, scenario: Scenario, waitfor: Calls, *,
+                sync_in: Sequence[Buffer] = (), sync_out: Buffer | None = None,
+                buffers: tuple[Buffer | None, Buffer | None, Buffer | None] = (None, None, None),
+                **call: Any) -> Call:
+        self._check_open()
+        deps = check.waitfor(waitfor, self)
+        for region in sync_in:
+            region.sync_to_device()
+        addrs = tuple(0 if b is None else b.device_address for b in buffers)
+        device_call = self._driver.start(scenario, addrs=addrs, waitfor=[d._device for d in deps],
+                                         **call)
+        self._ncalls += 1
+        finish = None if sync_out is None else sync_out.sync_from_device
+        result = Call(f"{op} (rank {self._rank}, call {self._ncalls})", self, device_call, deps,
+                      finish, self._forget)
+        with self._lock:
+            if not result.done():
+                self._outstanding.add(result)
+        return result
+
+    def _forget(self, call: Call) -> None:
+        with self._lock:
+            self._outstanding.discard(call)
+
+    # -- primitives -------------------------------------------------------------------
+
+    def nop(self, *, waitfor: Calls = ()) -> Call:
+        """A call that does nothing: measures the round trip, or joins dependencies."""
+        return self._submit("nop", Scenario.NOP, waitfor)
+
+    def copy(self, srcbuf: Buffer, dstbuf: Buffer, count: int, from_fpga: bool = False,
+             to_fpga: bool = False, *, stream_flags: int = 0, waitfor: Calls = ()) -> Call:
+        """dstbuf[:count] = srcbuf[:count], on the device."""
+        n = check.count(count)
+        src = check.buffer(srcbuf, "srcbuf", self, n)
+        dst = check.buffer(dstbuf, "dstbuf", self, n)
+        dtype = check.same_dtype(srcbuf=src, dstbuf=dst)
+        return self._submit("copy", Scenario.COPY, waitfor, count=n, dtype=dtype,
+                            stream_flags=stream_flags, buffers=(src, None, dst),
+                            sync_in=() if from_fpga else (_head(src, n),),
+                            sync_out=None if to_fpga else _head(dst, n))
+
+    def combine(self, count: int, func: ReduceFunction, val1: Buffer, val2: Buffer,
+                result: Buffer, val1_from_fpga: bool = False, val2_from_fpga: bool = False,
+                to_fpga: bool = False, *, waitfor: Calls = ()) -> Call:
+        """result[:count] = func(val1, val2), elementwise on the device."""
+        n, fn = check.count(count), check.function(func)
+        a = check.buffer(val1, "val1", self, n)
+        b = check.buffer(val2, "val2", self, n)
+        out = check.buffer(result, "result", self, n)
+        dtype = check.same_dtype(val1=a, val2=b, result=out)
+        sync_in = [_head(buf, n) for buf, on_device in ((a, val1_from_fpga), (b, val2_from_fpga))
+                   if not on_device]
+        return self._submit("combine", Scenario.COMBINE, waitfor, count=n, function=int(fn),
+                            dtype=dtype, buffers=(a, b, out), sync_in=sync_in,
+                            sync_out=None if to_fpga else _head(out, n))
+
+    def send(self, srcbuf: Buffer, count: int, dst: int, tag: int = TAG_ANY,
+             comm_id: int = GLOBAL_COMM, from_fpga: bool = False, compress_dtype: Any = None,
+             stream_flags: int = 0, *, waitfor: Calls = ()) -> Call:
+        """Send srcbuf[:count] to rank `dst`; done once the data has left (eager) or the
+        receiver has it."""
+        size = self._comm_size(comm_id)
+        n, peer, t = check.count(count), check.index(dst, "dst", size), check.tag(tag)
+        src = check.buffer(srcbuf, "srcbuf", self, n)
+        wire = check.compression(src.dtype, compress_dtype)
+        return self._submit("send", Scenario.SEND, waitfor, count=n, comm_id=comm_id,
+                            root_src_dst=peer, tag=t, dtype=src.dtype, compress_dtype=wire,
+                            stream_flags=stream_flags, buffers=(src, None, None),
+                            sync_in=() if from_fpga else (_head(src, n),))
+
+    def recv(self, dstbuf: Buffer, count: int, src: int, tag: int = TAG_ANY,
+             comm_id: int = GLOBAL_COMM, to_fpga: bool = False, compress_dtype: Any = None,
+             *, stream_flags: int = 0, waitfor: Calls = ()) -> Call:
+        """Receive `count` elements from rank `src` into dstbuf."""
+        size = self._comm_size(comm_id)
+        n, peer, t = check.count(count), check.index(src, "src", size), check.tag(tag)
+        dst = check.buffer(dstbuf, "dstbuf", self, n)
+        wire = check.compression(dst.dtype, compress_dtype)
+        return self._submit("recv", Scenario.RECV, waitfor, count=n, comm_id=comm_id,
+                            root_src_dst=peer, tag=t, dtype=dst.dtype, compress_dtype=wire,
+                            stream_flags=stream_flags, buffers=(None, None, dst),
+                            sync_out=None if to_fpga else _head(dst, n))
+
+    # -- collectives ------------------------------------------------------------------
+
+    def bcast(self, buf: Buffer, count: int, root: int, comm_id: int = GLOBAL_COMM,
+              from_fpga: bool = False, to_fpga: bool = False, compress_dtype: Any = None,
+              *, waitfor: Calls = ()) -> Call:
+        """Copy root's buf[:count] into every rank's buf."""
+        size = self._comm_size(comm_id)
+        n, r = check.count(count), check.index(root, "root", size)
+        b = check.buffer(buf, "buf", self, n)
+        wire = check.compression(b.dtype, compress_dtype)
+        is_root = r == self._comm_rank(comm_id)
+        return self._submit("bcast", Scenario.BCAST, waitfor, count=n, comm_id=comm_id,
+                            root_src_dst=r, dtype=b.dtype, compress_dtype=wire,
+                            buffers=(b, None, b),
+                            sync_in=(_head(b, n),) if is_root and not from_fpga else (),
+                            sync_out=None if is_root or to_fpga else _head(b, n))
+
+    def scatter(self, sbuf: Buffer | None, rbuf: Buffer, count: int, root: int,
+                comm_id: int = GLOBAL_COMM, from_fpga: bool = False, to_fpga: bool = False,
+                compress_dtype: Any = None, *, waitfor: Calls = ()) -> Call:
+        """Root's sbuf holds `count` elements per rank; rank i receives chunk i in rbuf."""
+        size = self._comm_size(comm_id)
+        n, r = check.count(count), check.index(root, "root", size)
+        is_root = r == self._comm_rank(comm_id)
+        s = check.buffer(sbuf, "sbuf", self, n * size) if is_root or sbuf is not None else None
+        d = check.buffer(rbuf, "rbuf", self, n)
+        dtype = check.same_dtype(sbuf=s, rbuf=d)
+        wire = check.compression(dtype, compress_dtype)
+        return self._submit("scatter", Scenario.SCATTER, waitfor, count=n, comm_id=comm_id,
+                            root_src_dst=r, dtype=dtype, compress_dtype=wire,
+                            buffers=(s, None, d),
+                            sync_in=(_head(s, n * size),) if is_root and s is not None
+                            and not from_fpga else (),
+                            sync_out=None if to_fpga else _head(d, n))
+
+    def gather(self, sbuf: Buffer, rbuf: Buffer | None, count: int, root: int,
+               comm_id: int = GLOBAL_COMM, from_fpga: bool = False, to_fpga: bool = False,
+               compress_dtype: Any = None, *, waitfor: Calls = ()) -> Call:
+        """Root's rbuf receives every rank's sbuf[:count], in rank order."""
+        size = self._comm_size(comm_id)
+        n, r = check.count(count), check.index(root, "root", size)
+        is_root = r == self._comm_rank(comm_id)
+        s = check.buffer(sbuf, "sbuf", self, n)
+        d = check.buffer(rbuf, "rbuf", self, n * size) if is_root or rbuf is not None else None
+        dtype = check.same_dtype(sbuf=s, rbuf=d)
+        wire = check.compression(dtype, compress_dtype)
+        return self._submit("gather", Scenario.GATHER, waitfor, count=n, comm_id=comm_id,
+                            root_src_dst=r, dtype=dtype, compress_dtype=wire,
+                            buffers=(s, None, d),
+                            sync_in=() if from_fpga else (_head(s, n),),
+                            sync_out=_head(d, n * size) if is_root and d is not None
+                            and not to_fpga else None)
+
+    def reduce(self, sbuf: Buffer, rbuf: Buffer | None, count: int, root: int,
+               func: ReduceFunction, comm_id: int = GLOBAL_COMM, from_fpga: bool = False,
+               to_fpga: bool = False, compress_dtype: Any = None, *, waitfor: Calls = ()) -> Call:
+        """Root's rbuf receives func over every rank's sbuf[:count]."""
+        size = self._comm_size(comm_id)
+        n, r, fn = check.count(count), check.index(root, "root", size), check.function(func)
+        is_root = r == self._comm_rank(comm_id)
+        s = check.buffer(sbuf, "sbuf", self, n)
+        d = check.buffer(rbuf, "rbuf", self, n) if is_root or rbuf is not None else None
+        dtype = check.same_dtype(sbuf=s, rbuf=d)
+        wire = check.compression(dtype, compress_dtype)
+        return self._submit("reduce", Scenario.REDUCE, waitfor, count=n, comm_id=comm_id,
+                            root_src_dst=r, function=int(fn), dtype=dtype, compress_dtype=wire,
+                            buffers=(s, None, d),
+                            sync_in=() if from_fpga else (_head(s, n),),
+                            sync_out=_head(d, n) if is_root and d is not None
+                            and not to_fpga else None)
+
+    def _all(self, op: str, scenario: Scenario, sbuf: Buffer, rbuf: Buffer, count: int,
+             chunked_in: bool, chunked_out: bool, func: Any, comm_id: int, from_fpga: bool,
+             to_fpga: bool, compress_dtype: Any, waitfor: Calls) -> Call:
+        """Collectives where every rank both sends and receives; a chunked buffer holds
+        `count` elements per rank."""
+        size = self._comm_size(comm_id)
+        inputs, outputs = (size if chunked_in else 1), (size if chunked_out else 1)
+        n = check.count(count)
+        function = 0 if func is None else int(check.function(func))
+        s = check.buffer(sbuf, "sbuf", self, n * inputs)
+        d = check.buffer(rbuf, "rbuf", self, n * outputs)
+        dtype = check.same_dtype(sbuf=s, rbuf=d)
+        wire = check.compression(dtype, compress_dtype)
+        return self._submit(op, scenario, waitfor, count=n, comm_id=comm_id, function=function,
+                            dtype=dtype, compress_dtype=wire, buffers=(s, d, d),
+                            sync_in=() if from_fpga else (_head(s, n * inputs),),
+                            sync_out=None if to_fpga else _head(d, n * outputs))
+
+    def allgather(self, sbuf: Buffer, rbuf: Buffer, count: int, comm_id: int = GLOBAL_COMM,
+                  from_fpga: bool = False, to_fpga: bool = False, compress_dtype: Any = None,
+                  *, waitfor: Calls = ()) -> Call:
+        """Every rank's rbuf receives every rank's sbuf[:count], in rank order."""
+        return self._all("allgather", Scenario.ALLGATHER, sbuf, rbuf, count, False, True, None,
+                         comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
+
+    def allreduce(self, sbuf: Buffer, rbuf: Buffer, count: int, func: ReduceFunction,
+                  comm_id: int = GLOBAL_COMM, from_fpga: bool = False, to_fpga: bool = False,
+                  compress_dtype: Any = None, *, waitfor: Calls = ()) -> Call:
+        """Every rank's rbuf receives func over every rank's sbuf[:count]."""
+        return self._all("allreduce", Scenario.ALLREDUCE, sbuf, rbuf, count, False, False, func,
+                         comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
+
+    def reduce_scatter(self, sbuf: Buffer, rbuf: Buffer, count: int, func: ReduceFunction,
+                       comm_id: int = GLOBAL_COMM, from_fpga: bool = False,
+                       to_fpga: bool = False, compress_dtype: Any = None,
+                       *, waitfor: Calls = ()) -> Call:
+        """Rank i's rbuf receives chunk i (of `count` elements) of func over every
+        rank's sbuf[:count * size]."""
+        return self._all("reduce_scatter", Scenario.REDUCE_SCATTER, sbuf, rbuf, count, True, False,
+                         func, comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
+
+    def alltoall(self, sbuf: Buffer, rbuf: Buffer, count: int, comm_id: int = GLOBAL_COMM,
+                 from_fpga: bool = False, to_fpga: bool = False, compress_dtype: Any = None,
+                 *, waitfor: Calls = ()) -> Call:
+        """Chunk j of rank i's sbuf lands as chunk i of rank j's rbuf."""
+        return self._all("alltoall", Scenario.ALLTOALL, sbuf, rbuf, count, True, True, None,
+                         comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
+
+    def barrier(self, comm_id: int = GLOBAL_COMM, *, waitfor: Calls = ()) -> Call:
+        """Completes once every rank of the communicator has entered the barrier."""
+        self._comm_size(comm_id)
+        return self._submit("barrier", Scenario.BARRIER, waitfor, comm_id=comm_id,
+                            dtype=np.dtype(np.float32))

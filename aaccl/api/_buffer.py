@@ -1,0 +1,83 @@
+"""`Buffer`: host memory (a numpy array) with a twin in the CCLO's device memory."""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from ..devices import Device
+
+
+class _Allocation:
+    """One device allocation and the host array it mirrors; freed with its last view."""
+
+    __slots__ = ("device", "owner", "address", "host_ptr", "nbytes", "__weakref__")
+
+    def __init__(self, device: Device, owner: object, address: int, host: np.ndarray) -> None:
+        self.device, self.owner, self.address = device, owner, address
+        self.host_ptr, self.nbytes = host.ctypes.data, host.nbytes
+
+
+class Buffer(np.ndarray):
+    """A numpy array whose contents also live in one rank's device memory.
+
+    The two copies are separate, as on an FPGA: `sync_to_device` and
+    `sync_from_device` move data between them (operations do it for you unless
+    `from_fpga` / `to_fpga` say the data lives on the device). Contiguous slices are
+    Buffers too, at the matching device address.
+    """
+
+    _allocation: _Allocation | None
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self._allocation = getattr(obj, "_allocation", None)
+
+    @property
+    def device_address(self) -> int:
+        """Device address of this (view's) first element."""
+        alloc = self._allocation
+        offset = -1 if alloc is None else self.ctypes.data - alloc.host_ptr
+        if alloc is None or offset < 0 or offset + self.nbytes > alloc.nbytes:
+            raise TypeError("this array is not a view of a device buffer (a computed result "
+                            "is a new host array: copy it into a Buffer)")
+        if not self.flags.c_contiguous:
+            raise TypeError("device buffers must be C-contiguous: use a contiguous slice")
+        return alloc.address + offset
+
+    def sync_to_device(self) -> None:
+        """Copy these host elements to device memory."""
+        address = self.device_address
+        assert self._allocation is not None
+        self._allocation.device.write(address, np.asarray(self))
+
+    def sync_from_device(self) -> None:
+        """Copy these elements from device memory into host memory."""
+        address = self.device_address
+        assert self._allocation is not None
+        self._allocation.device.read(address, np.asarray(self))
+
+    def __reduce__(self) -> Any:  # a pickled Buffer is plain host data
+        return np.asarray(self).copy().__reduce__()
+
+
+def allocate(device: Device, owner: object, shape: int | tuple[int, ...],
+             dtype: np.dtype) -> Buffer:
+    host = np.zeros(shape, dtype)
+    address = device.alloc(max(host.nbytes, 1))
+    buf = host.view(Buffer)
+    alloc = _Allocation(device, owner, address, host)
+    buf._allocation = alloc
+    weakref.finalize(alloc, _free, weakref.ref(device), address)
+    return buf
+
+
+def _free(device_ref: weakref.ref, address: int) -> None:
+    device = device_ref()
+    if device is not None:
+        try:
+            device.free(address)
+        except (ValueError, KeyError):  # the device was reset or closed
+            pass

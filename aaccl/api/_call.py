@@ -1,0 +1,104 @@
+"""`Call`: one operation submitted to a CCLO, awaitable from asyncio and trio."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Generator
+from typing import Any
+
+from .._errors import DependencyError
+from ..devices import DeviceCall
+from ..driver import Driver
+from . import _bridge
+
+log = logging.getLogger("aaccl")
+
+
+class Call:
+    """An operation on the CCLO: submitted when created, awaitable, and usable in
+    another call's `waitfor`.
+
+    Awaiting returns None once the result is in place (in host memory, unless
+    `to_fpga` asked to leave it on the device) and raises the call's error.
+    A call whose error nobody retrieves is logged when it is garbage collected.
+    """
+
+    __slots__ = ("name", "owner", "_device", "_lock", "_wakers", "_finished", "_error", "_retrieved",
+                 "_deps", "__weakref__")
+
+    def __init__(self, name: str, owner: object, device: DeviceCall, deps: tuple[Call, ...],
+                 finish: Callable[[], None] | None,
+                 on_done: Callable[[Call], None] | None = None) -> None:
+        self.name, self.owner = name, owner
+        self._device = device
+        self._lock = threading.Lock()
+        self._wakers: list[Callable[[], None]] = []
+        self._finished = False
+        self._error: BaseException | None = None
+        self._retrieved = False
+        self._deps = deps
+
+        def completed(dev: DeviceCall) -> None:  # on the device's thread
+            error = Driver.error(dev, name)
+            if error is None and finish is not None:
+                try:
+                    finish()
+                except Exception as exc:  # a host sync failed: the call failed
+                    error = exc
+            if isinstance(error, DependencyError):
+                failed = [d for d in self._deps if d._error is not None]
+                error = DependencyError(f"{name} did not run: {', '.join(d.name for d in failed)} "
+                                        "failed")
+                if failed:
+                    error.__cause__ = failed[0]._error
+            else:
+                self._deps = ()  # keep a chain's history only where it explains a failure
+            with self._lock:
+                self._error, self._finished = error, True
+                wakers, self._wakers = self._wakers, []
+            if on_done is not None:
+                on_done(self)
+            for wake in wakers:
+                wake()
+
+        device.add_done_callback(completed)
+
+    def done(self) -> bool:
+        """True once the call has finished, successfully or not."""
+        return self._finished
+
+    def exception(self) -> BaseException | None:
+        """The error of a finished call, or None (counts as retrieving it)."""
+        if not self._finished:
+            raise RuntimeError(f"{self.name} has not finished")
+        self._mark_retrieved()
+        return self._error
+
+    def _register(self, wake: Callable[[], None]) -> bool:
+        with self._lock:
+            if self._finished:
+                return False
+            self._wakers.append(wake)
+            return True
+
+    def __await__(self) -> Generator[Any, None, None]:
+        if not self._finished:
+            yield from _bridge.wait(self._register).__await__()
+        self._mark_retrieved()
+        if self._error is not None:
+            raise self._error
+
+    def _mark_retrieved(self) -> None:
+        self._retrieved = True
+        for dep in self._deps:
+            if not dep._retrieved:
+                dep._mark_retrieved()
+
+    def __repr__(self) -> str:
+        state = "pending" if not self._finished else "failed" if self._error else "done"
+        return f"<Call {self.name} {state}>"
+
+    def __del__(self) -> None:
+        if self._error is not None and not self._retrieved:
+            log.error("%s failed and nobody awaited it: %s", self.name, self._error)

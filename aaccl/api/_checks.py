@@ -1,0 +1,103 @@
+"""Argument checks: bad input fails here, before anything reaches the device."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from .._constants import COMPRESSION_PAIRS, SUPPORTED_DTYPES, TAG_ANY, ReduceFunction
+from ._buffer import Buffer
+from ._call import Call
+
+
+def dtype(value: Any) -> np.dtype:
+    try:
+        dt = np.dtype(value)
+    except TypeError:
+        raise TypeError(f"{value!r} is not a dtype") from None
+    if dt not in SUPPORTED_DTYPES:
+        names = ", ".join(d.name for d in SUPPORTED_DTYPES)
+        raise TypeError(f"dtype {dt.name} is not supported by the CCLO: use one of {names}")
+    return dt
+
+
+def index(value: Any, name: str, limit: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, not {type(value).__name__}")
+    if not 0 <= value < limit:
+        raise ValueError(f"{name} {value} is out of range: this communicator has {limit} ranks")
+    return int(value)
+
+
+def count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"count must be an integer, not {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"count must not be negative, got {value}")
+    if value >= 2**32:
+        raise ValueError(f"count {value} does not fit the CCLO's 32-bit count")
+    return int(value)
+
+
+def tag(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"tag must be an integer, not {type(value).__name__}")
+    if not 0 <= value <= TAG_ANY:
+        raise ValueError(f"tag {value} is not a 32-bit unsigned integer")
+    return int(value)
+
+
+def function(value: Any) -> ReduceFunction:
+    try:
+        return ReduceFunction(value)
+    except ValueError:
+        names = ", ".join(f.name for f in ReduceFunction)
+        raise ValueError(f"{value!r} is not a reduce function: use ReduceFunction ({names})") from None
+
+
+def buffer(buf: Any, name: str, owner: object, elements: int) -> Buffer:
+    """A buffer of this rank holding at least `elements` elements."""
+    if not isinstance(buf, Buffer):
+        raise TypeError(f"{name} must be a Buffer from ACCL.allocate(), "
+                        f"not {type(buf).__name__}")
+    alloc = buf._allocation
+    if alloc is None or alloc.owner is not owner:
+        raise ValueError(f"{name} belongs to another rank: allocate it on this ACCL")
+    buf.device_address  # raises for views that are not device memory
+    if elements > buf.size:
+        raise ValueError(f"{name} holds {buf.size} elements, the call needs {elements}")
+    return buf
+
+
+def same_dtype(**buffers: Buffer | None) -> np.dtype:
+    dtypes = {name: b.dtype for name, b in buffers.items() if b is not None}
+    if len(set(dtypes.values())) > 1:
+        listed = ", ".join(f"{n}: {d.name}" for n, d in dtypes.items())
+        raise TypeError(f"buffers must share one dtype ({listed})")
+    return next(iter(dtypes.values()))
+
+
+def compression(data: np.dtype, compress_dtype: Any) -> np.dtype | None:
+    if compress_dtype is None:
+        return None
+    wire = np.dtype(compress_dtype)
+    if wire == data:
+        return None
+    if (data, wire) not in COMPRESSION_PAIRS:
+        pairs = ", ".join(f"{a.name} -> {b.name}" for a, b in COMPRESSION_PAIRS)
+        raise ValueError(f"the CCLO cannot compress {data.name} to {wire.name} (supported: {pairs})")
+    return wire
+
+
+def waitfor(calls: Iterable[Any], owner: object) -> tuple[Call, ...]:
+    out = tuple(calls)
+    for call in out:
+        if not isinstance(call, Call):
+            raise TypeError(f"waitfor takes Calls, not {type(call).__name__}")
+        if call.owner is not owner:
+            raise ValueError(f"{call.name} belongs to another rank: a call can only wait for "
+                             "calls of its own rank")
+    return out

@@ -1,0 +1,107 @@
+"""The narrow interface between the driver and a CCLO, whatever implements it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
+
+import numpy as np
+
+
+class CallArgs(NamedTuple):
+    """The CCLO's 12 call arguments, in ACCL's order."""
+
+    scenario: int
+    count: int
+    comm: int
+    root_src_dst: int
+    function: int
+    tag: int
+    arithcfg: int
+    compression_flags: int
+    stream_flags: int
+    addr_0: int
+    addr_1: int
+    addr_2: int
+
+
+class DeviceCall:
+    """Completion of one call on a device: a return code, or "never ran".
+
+    Devices complete it from their own threads; callbacks run on the completing
+    thread and must not block.
+    """
+
+    __slots__ = ("args", "_lock", "_callbacks", "_event", "retcode", "aborted")
+
+    def __init__(self, args: CallArgs) -> None:
+        self.args = args
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[DeviceCall], None]] | None = []
+        self._event: threading.Event | None = None
+        self.retcode = 0
+        self.aborted = False  # a dependency failed, so the call never ran
+
+    def done(self) -> bool:
+        return self._callbacks is None
+
+    @property
+    def failed(self) -> bool:
+        return self.aborted or self.retcode != 0
+
+    def add_done_callback(self, fn: Callable[[DeviceCall], None]) -> None:
+        """Run `fn(self)` on completion, or right now if already complete."""
+        with self._lock:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block the calling thread until complete; never call it on an event loop."""
+        with self._lock:
+            if self._callbacks is None:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
+
+    def complete(self, retcode: int = 0, aborted: bool = False) -> None:
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, None
+            if callbacks is None:
+                raise RuntimeError("device call completed twice")
+            self.retcode, self.aborted = retcode, aborted
+            event = self._event
+        if event is not None:
+            event.set()
+        for fn in callbacks:
+            fn(self)
+
+
+class Device(Protocol):
+    """What the driver needs from a CCLO: exchange memory, device memory, calls.
+
+    `start` submits a call that runs once every call in `waitfor` succeeded; if one
+    failed, the new call completes with `aborted=True` and never runs.
+    """
+
+    timer_hz: int  # units of the SET_TIMEOUT config value per second
+
+    def mmio_read(self, offset: int) -> int: ...
+
+    def mmio_write(self, offset: int, value: int) -> None: ...
+
+    def alloc(self, nbytes: int) -> int: ...
+
+    def free(self, address: int) -> None: ...
+
+    def write(self, address: int, data: np.ndarray) -> None: ...
+
+    def read(self, address: int, out: np.ndarray) -> None: ...
+
+    def start(self, args: CallArgs, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall: ...
+
+    def close(self) -> None: ...

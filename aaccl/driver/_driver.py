@@ -1,0 +1,154 @@
+"""The CCLO host protocol, written once for every device.
+
+The driver lays out the exchange memory as ACCL's firmware expects it, encodes the
+12-argument call and decodes the return code. It knows buffers only as device
+addresses and dtypes; validation and host<->device syncs belong to the API above.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .. import _exchmem as xm
+from .._constants import GLOBAL_COMM, TAG_ANY, CompressionFlags, ConfigFunction, Scenario
+from .._errors import CCLOError, DependencyError
+from ..devices import CallArgs, Device, DeviceCall
+
+CONFIG_TIMEOUT = 60.0
+"""Seconds the driver waits for one configuration call before giving up on the device."""
+
+
+class Driver:
+    """Configures one CCLO and submits its calls."""
+
+    def __init__(self, device: Device, local_rank: int, ranks: Sequence[xm.RankRecord], *,
+                 nbufs: int = 16, bufsize: int = 1024, timeout: float = 10.0,
+                 max_eager_size: int | None = None) -> None:
+        self.device = device
+        self.nbufs, self.bufsize, self.timeout = nbufs, bufsize, timeout
+        self.max_eager_size = bufsize * max(1, nbufs // 4) if max_eager_size is None else max_eager_size
+        self._world = xm.Communicator(local_rank, tuple(ranks))
+        self.communicators: list[tuple[int, xm.Communicator]] = []
+        self._arith: dict[tuple[np.dtype, np.dtype], int] = {}
+        self._allocations: list[int] = []
+        self._next_free = xm.RX_RECORDS
+
+    # -- configuration (blocking: run it off the event loop) -------------------------
+
+    def configure(self) -> None:
+        """Bring a reset CCLO to ready, as ACCL's driver does, and check each step."""
+        self._config_call(ConfigFunction.RESET_PERIPH)
+        if self.device.mmio_read(xm.CFGRDY) != 0:
+            raise RuntimeError("the CCLO is configured already: is another process using it?")
+        self._setup_rx_buffers()
+        self._setup_spares()
+        self._write_communicator(self._world)
+        for key, cfg in xm.DEFAULT_ARITH_CONFIGS.items():
+            self._arith[key] = self._write_record(cfg.words())
+        self._write_words(xm.GATHER_FLAT_TREE_MAX_FANIN, [2, 32 * 1024, 3, 4, 32 * 1024])
+        self.device.mmio_write(xm.CFGRDY, 1)
+        self._config_call(ConfigFunction.SET_TIMEOUT, self._timeout_ticks(self.timeout))
+        self._config_call(ConfigFunction.SET_MAX_EAGER_MSG_SIZE, self.max_eager_size)
+        self._config_call(ConfigFunction.SET_MAX_RENDEZVOUS_MSG_SIZE, self.bufsize * self.nbufs)
+        self._config_call(ConfigFunction.ENABLE_PKT)
+
+    def _setup_rx_buffers(self) -> None:
+        offset = xm.RX_RECORDS
+        for _ in range(self.nbufs):
+            address = self._alloc(self.bufsize)
+            self._write_words(offset, xm.RxBuffer(address).words())
+            offset += 4 * xm.RxBuffer.WORDS
+        self._next_free = offset
+        self.device.mmio_write(xm.RX_BUF_SIZE, self.bufsize)
+        self.device.mmio_write(xm.NUM_RX_BUFS, self.nbufs)  # last: the firmware waits for it
+
+    def _setup_spares(self) -> None:
+        for offset in (xm.SPARE1, xm.SPARE2, xm.SPARE3):
+            address = self._alloc(self.bufsize)
+            self._write_words(offset, [address & 0xFFFFFFFF, address >> 32])
+
+    def _alloc(self, nbytes: int) -> int:
+        address = self.device.alloc(nbytes)
+        self._allocations.append(address)
+        self.device.write(address, np.zeros(nbytes, np.uint8))
+        return address
+
+    def _write_communicator(self, comm: xm.Communicator) -> int:
+        address = self._write_record(comm.words())
+        self.communicators.append((address, comm))
+        return len(self.communicators) - 1
+
+    def _write_record(self, words: list[int]) -> int:
+        address = self._next_free
+        if address + 4 * len(words) > xm.CONFIG_END:
+            raise ValueError("the exchange memory is full: no room for another communicator")
+        self._write_words(address, words)
+        self._next_free = address + 4 * len(words)
+        return address
+
+    def _write_words(self, offset: int, words: Sequence[int]) -> None:
+        for i, word in enumerate(words):
+            self.device.mmio_write(offset + 4 * i, word)
+
+    def _timeout_ticks(self, seconds: float) -> int:
+        return max(1, min(0xFFFFFFFF, round(seconds * self.device.timer_hz)))
+
+    def _config_call(self, function: ConfigFunction, value: int = 0) -> None:
+        call = self.device.start(CallArgs(Scenario.CONFIG, value, 0, 0, int(function), TAG_ANY,
+                                          0, 0, 0, 0, 0, 0))
+        if not call.wait(CONFIG_TIMEOUT):
+            raise TimeoutError(f"the CCLO did not answer config {function.name} "
+                               f"within {CONFIG_TIMEOUT} s")
+        error = self.error(call, f"config {function.name.lower()}")
+        if error is not None:
+            raise error
+
+    # -- communicators and arithmetic -------------------------------------------------
+
+    def split_communicator(self, indices: Sequence[int]) -> int:
+        """Write the sub-communicator of `indices` (global ranks); return its ID."""
+        return self._write_communicator(self._world.split(indices))
+
+    def comm(self, comm_id: int) -> xm.Communicator:
+        return self.communicators[comm_id][1]
+
+    def arithcfg(self, dtype: np.dtype, wire: np.dtype) -> int:
+        """Exchange-memory address of the arithmetic config for (dtype, wire dtype)."""
+        return self._arith[(dtype, wire)]
+
+    # -- calls ------------------------------------------------------------------------
+
+    def start(self, scenario: Scenario, *, count: int = 0, comm_id: int = GLOBAL_COMM,
+              root_src_dst: int = 0, function: int = 0, tag: int = TAG_ANY,
+              dtype: np.dtype | None = None, compress_dtype: np.dtype | None = None,
+              stream_flags: int = 0, addrs: tuple[int, int, int] = (0, 0, 0),
+              waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
+        """Encode one call and hand it to the device."""
+        flags = CompressionFlags.NO_COMPRESSION
+        arithcfg = 0
+        if dtype is not None:
+            wire = dtype
+            if compress_dtype is not None and compress_dtype != dtype:
+                wire, flags = compress_dtype, CompressionFlags.ETH_COMPRESSED
+            arithcfg = self._arith[(dtype, wire)]
+        args = CallArgs(int(scenario), count, self.communicators[comm_id][0], root_src_dst,
+                        function, tag, arithcfg, int(flags), stream_flags, *addrs)
+        return self.device.start(args, waitfor)
+
+    @staticmethod
+    def error(call: DeviceCall, operation: str) -> Exception | None:
+        """The exception a completed call stands for, or None if it succeeded."""
+        if call.aborted:
+            return DependencyError(f"{operation} did not run: a call it waits for failed")
+        if call.retcode:
+            return CCLOError(operation, call.retcode)
+        return None
+
+    def close(self) -> None:
+        """Release the device memory the driver allocated, then the device."""
+        for address in self._allocations:
+            self.device.free(address)
+        self._allocations.clear()
+        self.device.close()

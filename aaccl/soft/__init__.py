@@ -1,0 +1,6 @@
+"""The embedded software CCLO: a model of ACCL's CCLO that runs anywhere."""
+
+from ._device import SoftDevice
+from .fabric import InProcessFabric
+
+__all__ = ["InProcessFabric", "SoftDevice"]

@@ -1,0 +1,126 @@
+"""The soft CCLO: a software model of ACCL's CCLO that implements `Device`.
+
+It keeps its own exchange memory and device memory (so a missing host sync shows
+stale data, as on hardware), honours `waitfor` in its own scheduler (a dependent
+call starts when its dependencies complete, with no host round trip), and runs
+calls on its own worker threads, never on the caller's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from .. import _exchmem as xm
+from .._constants import ErrorCode, Scenario
+from ..devices import CallArgs, DeviceCall
+from ._engine import CallFailed, Engine
+from ._memory import DeviceMemory
+from .fabric import Inbox, Port
+
+MAX_WORKERS = 64
+"""Calls one soft CCLO runs at once; a call waiting for a peer holds a worker."""
+
+HWID = 0x0000_00F8  # reduction, compression and stream bits as ACCL's driver reads them
+
+
+class SoftDevice:
+    timer_hz = 1_000_000  # SET_TIMEOUT counts microseconds
+
+    def __init__(self, session: int, port: Port, inbox: Inbox) -> None:
+        self.session, self.port, self.inbox = session, port, inbox
+        self.exchmem = np.zeros(xm.SIZE // 4, np.uint32)
+        self.exchmem[xm.HWID // 4] = HWID
+        self.memory = DeviceMemory()
+        self.timeout = 1.0
+        self.max_eager_size = 0
+        self.max_rendezvous_size = 0
+        self._engine = Engine(self)
+        self._admit_lock = threading.Lock()
+        self._workers = ThreadPoolExecutor(MAX_WORKERS, thread_name_prefix=f"soft-cclo-{session}")
+
+    # -- exchange memory and device memory ----------------------------------------
+
+    def mmio_read(self, offset: int) -> int:
+        return int(self.exchmem[self._word(offset)])
+
+    def mmio_write(self, offset: int, value: int) -> None:
+        self.exchmem[self._word(offset)] = value
+        self._engine.forget_exchmem()
+
+    @staticmethod
+    def _word(offset: int) -> int:
+        if offset % 4 or not 0 <= offset < xm.SIZE:
+            raise IndexError(f"exchange memory offset {offset:#x} is not a word in [0, {xm.SIZE:#x})")
+        return offset // 4
+
+    def alloc(self, nbytes: int) -> int:
+        return self.memory.alloc(nbytes)
+
+    def free(self, address: int) -> None:
+        self.memory.free(address)
+
+    def write(self, address: int, data: np.ndarray) -> None:
+        self.memory.view(address, data.nbytes)[:] = data.reshape(-1).view(np.uint8)
+
+    def read(self, address: int, out: np.ndarray) -> None:
+        out.reshape(-1).view(np.uint8)[:] = self.memory.view(address, out.nbytes)
+
+    def array(self, address: int, dtype: np.dtype, count: int) -> np.ndarray:
+        """`count` elements of device memory at `address`, for the engine."""
+        if count == 0:
+            return np.empty(0, dtype)
+        try:
+            return self.memory.view(address, count * dtype.itemsize).view(dtype)
+        except KeyError:
+            raise CallFailed(ErrorCode.DMA_DECODE_ERROR) from None
+
+    # -- calls ----------------------------------------------------------------------
+
+    def start(self, args: CallArgs, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
+        call = DeviceCall(args)
+        with self._admit_lock:
+            ticket = self._engine.admit(args)
+        if not waitfor:
+            self._dispatch(call, ticket)
+            return call
+        lock = threading.Lock()
+        state = {"left": len(waitfor), "failed": False}
+
+        def on_dependency_done(dep: DeviceCall) -> None:
+            with lock:
+                state["left"] -= 1
+                state["failed"] |= dep.failed
+                if state["left"]:
+                    return
+            if state["failed"]:
+                self._engine.abandon(args, ticket)
+                call.complete(aborted=True)
+            else:
+                self._dispatch(call, ticket)
+
+        for dep in waitfor:
+            dep.add_done_callback(on_dependency_done)
+        return call
+
+    def _dispatch(self, call: DeviceCall, ticket: object) -> None:
+        if call.args.scenario == Scenario.NOP:
+            call.complete(0)  # nothing to wait for: complete on the spot
+            return
+        try:
+            self._workers.submit(self._run, call, ticket)
+        except RuntimeError:  # the device was closed
+            self._engine.abandon(call.args, ticket)
+            call.complete(aborted=True)
+
+    def _run(self, call: DeviceCall, ticket: object) -> None:
+        retcode = self._engine.execute(call.args, ticket)
+        self.exchmem[xm.RETCODE // 4] = retcode
+        call.complete(retcode)
+
+    def close(self) -> None:
+        self._workers.shutdown(wait=False)
+        self.port.close()

@@ -1,0 +1,335 @@
+"""Runs calls on a soft CCLO: decodes the 12 arguments, reads the exchange memory,
+and executes the call's schedule over the fabric.
+
+`admit` runs when a call is submitted, in submission order, and fixes its place in
+the message order (send sequence numbers, posted receives, collective sequence
+numbers); `execute` runs it once its dependencies are done, on a device worker.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import _exchmem as xm
+from .._constants import ConfigFunction, ErrorCode, Scenario
+from ..devices import CallArgs
+from .algorithms import Copy, Incoming, Local, Reduce, Send, Step, schedule
+from .fabric import COMPLETED, Message, PeerTimeout, PostedRecv, RxPool, SendRequest
+from ._datapath import Datapath, UnsupportedConfig
+
+if TYPE_CHECKING:
+    from ._device import SoftDevice
+
+COLLECTIVES = frozenset({Scenario.BCAST, Scenario.SCATTER, Scenario.GATHER, Scenario.REDUCE,
+                         Scenario.ALLGATHER, Scenario.ALLREDUCE, Scenario.REDUCE_SCATTER,
+                         Scenario.BARRIER, Scenario.ALLTOALL})
+
+
+class CallFailed(Exception):
+    def __init__(self, code: ErrorCode) -> None:
+        self.code = code
+
+
+class _Comm:
+    """A communicator as read from exchange memory, with its matching key."""
+
+    __slots__ = ("rank", "size", "sessions", "key")
+
+    def __init__(self, record: xm.Communicator) -> None:
+        self.rank, self.size = record.local_rank, len(record.ranks)
+        self.sessions = tuple(r.session for r in record.ranks)
+        self.key: Hashable = self.sessions  # the same group matches on every rank
+
+
+class Engine:
+    def __init__(self, device: SoftDevice) -> None:
+        self.dev = device
+        self._comms: dict[int, _Comm] = {}
+        self._configs: dict[int, xm.ArithConfig] = {}
+        self._send_seq: dict[tuple[Hashable, int], int] = {}
+        self._coll_seq: dict[Hashable, int] = {}
+
+    def forget_exchmem(self) -> None:
+        """The host rewrote exchange memory: parse it again when next needed."""
+        self._comms.clear()
+        self._configs.clear()
+
+    # -- exchange memory ------------------------------------------------------------
+
+    def comm(self, address: int) -> _Comm:
+        comm = self._comms.get(address)
+        if comm is None:
+            try:
+                record = xm.Communicator.read(self.dev.mmio_read, address)
+            except (ValueError, IndexError):
+                raise CallFailed(ErrorCode.DMA_DECODE_ERROR) from None
+            if not record.ranks or record.local_rank >= len(record.ranks):
+                raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
+            comm = self._comms[address] = _Comm(record)
+        return comm
+
+    def datapath(self, args: CallArgs) -> Datapath:
+        cfg = self._configs.get(args.arithcfg)
+        if cfg is None:
+            try:
+                cfg = self._configs[args.arithcfg] = xm.ArithConfig.read(self.dev.mmio_read,
+                                                                         args.arithcfg)
+            except (ValueError, IndexError):
+                raise CallFailed(ErrorCode.ARITH_ERROR) from None
+        try:
+            return Datapath(cfg, args.compression_flags, args.function)
+        except UnsupportedConfig:
+            raise CallFailed(ErrorCode.ARITH_ERROR) from None
+
+    def _peer(self, comm: _Comm, index: int) -> int:
+        if index >= comm.size:
+            raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
+        return comm.sessions[index]
+
+    # -- submission -------------------------------------------------------------------
+
+    def admit(self, args: CallArgs) -> Any:
+        """Fix the call's place in the message order; runs in submission order."""
+        try:
+            scenario = args.scenario
+            if scenario == Scenario.SEND:
+                comm = self.comm(args.comm)
+                slot = (comm.key, self._peer(comm, args.root_src_dst))
+                seq = self._send_seq.get(slot, 0)
+                self._send_seq[slot] = seq + 1
+                return seq
+            if scenario == Scenario.RECV:
+                comm = self.comm(args.comm)
+                src = self._peer(comm, args.root_src_dst)
+                return self.dev.inbox.post(("p2p", comm.key), src, args.tag)
+            if scenario in COLLECTIVES:
+                comm = self.comm(args.comm)
+                seq = self._coll_seq.get(comm.key, 0)
+                self._coll_seq[comm.key] = seq + 1
+                return seq
+        except CallFailed as failed:
+            return failed
+        return None
+
+    def abandon(self, args: CallArgs, ticket: Any) -> None:
+        """The call will never run: give back its place in the message order."""
+        if args.scenario == Scenario.SEND and isinstance(ticket, int):
+            self._send_tombstone(args, ticket)
+        elif isinstance(ticket, PostedRecv):
+            comm = self.comm(args.comm)
+            self.dev.inbox.cancel(("p2p", comm.key), comm.sessions[args.root_src_dst], ticket)
+
+    def _send_tombstone(self, args: CallArgs, seq: int) -> None:
+        comm = self.comm(args.comm)
+        dst = comm.sessions[args.root_src_dst]
+        self.dev.port.post(dst, Message(self.dev.session, ("p2p", comm.key), seq, args.tag,
+                                        None, eager=True, tombstone=True))
+
+    # -- execution --------------------------------------------------------------------
+
+    def execute(self, args: CallArgs, ticket: Any) -> int:
+        """Run the call; return its retcode."""
+        try:
+            if isinstance(ticket, CallFailed):
+                raise ticket
+            scenario = args.scenario
+            if scenario == Scenario.NOP:
+                return 0
+            if scenario == Scenario.CONFIG:
+                return self._config(args)
+            if args.stream_flags:
+                raise CallFailed(ErrorCode.COLLECTIVE_NOT_IMPLEMENTED)  # no kernel streams here
+            if scenario == Scenario.SEND:
+                self._send(args, ticket)
+            elif scenario == Scenario.RECV:
+                self._recv(args, ticket)
+            elif scenario in (Scenario.COPY, Scenario.COMBINE):
+                _Run(self, args, None, 0).steps(schedule(Scenario(scenario), 0, 1, 0, args.count))
+            elif scenario in COLLECTIVES:
+                comm = self.comm(args.comm)
+                if scenario in (Scenario.BCAST, Scenario.SCATTER, Scenario.GATHER,
+                                Scenario.REDUCE) and args.root_src_dst >= comm.size:
+                    raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
+                steps = schedule(Scenario(scenario), comm.rank, comm.size, args.root_src_dst,
+                                 args.count)
+                _Run(self, args, comm, ticket).steps(steps)
+            else:
+                raise CallFailed(ErrorCode.COLLECTIVE_NOT_IMPLEMENTED)
+        except CallFailed as failed:
+            return int(failed.code)
+        return 0
+
+    def _config(self, args: CallArgs) -> int:
+        dev, function = self.dev, args.function
+        if function == ConfigFunction.RESET_PERIPH:
+            dev.inbox.set_rx_pool(None)
+        elif function == ConfigFunction.ENABLE_PKT:
+            if dev.mmio_read(xm.CFGRDY) != 1:
+                return int(ErrorCode.CONFIG_SWITCH_ERROR)
+            dev.inbox.set_rx_pool(self._rx_pool())
+        elif function == ConfigFunction.SET_TIMEOUT:
+            dev.timeout = args.count / dev.timer_hz
+        elif function == ConfigFunction.SET_MAX_EAGER_MSG_SIZE:
+            if args.count > dev.mmio_read(xm.RX_BUF_SIZE) * dev.mmio_read(xm.NUM_RX_BUFS):
+                return int(ErrorCode.EAGER_THRESHOLD_INVALID)
+            dev.max_eager_size = args.count
+        elif function == ConfigFunction.SET_MAX_RENDEZVOUS_MSG_SIZE:
+            dev.max_rendezvous_size = args.count
+        else:
+            return int(ErrorCode.CONFIG_SWITCH_ERROR)
+        return 0
+
+    def _rx_pool(self) -> RxPool:
+        dev = self.dev
+        n, bufsize = dev.mmio_read(xm.NUM_RX_BUFS), dev.mmio_read(xm.RX_BUF_SIZE)
+        records = [xm.RxBuffer.read(dev.mmio_read, xm.RX_RECORDS + 4 * xm.RxBuffer.WORDS * i)
+                   for i in range(n)]
+        views = [dev.memory.view(r.address, bufsize) for r in records]
+
+        def mark(slot: int, status: int, msg: Message | None) -> None:
+            base = (xm.RX_RECORDS + 4 * xm.RxBuffer.WORDS * slot) // 4
+            dev.exchmem[base] = status
+            if msg is not None:
+                dev.exchmem[base + 3:base + 6] = (msg.tag, msg.nbytes, msg.src)
+
+        return RxPool(views, bufsize, mark)
+
+    def _send(self, args: CallArgs, seq: int) -> None:
+        delivered = False
+        try:
+            comm = self.comm(args.comm)
+            dst = self._peer(comm, args.root_src_dst)
+            path = self.datapath(args)
+            payload = path.to_wire(self.dev.array(args.addr_0, path.dtype, args.count))
+            msg = Message(self.dev.session, ("p2p", comm.key), seq, args.tag,
+                          payload.view(np.uint8), eager=payload.nbytes <= self.dev.max_eager_size)
+            request = self.dev.port.post(dst, msg)
+            delivered = True
+            if not request.wait(time.monotonic() + self.dev.timeout):
+                raise CallFailed(ErrorCode.DEQUEUE_BUFFER_TIMEOUT_ERROR)
+        finally:
+            if not delivered:
+                self._send_tombstone(args, seq)
+
+    def _recv(self, args: CallArgs, posted: PostedRecv) -> None:
+        inbox = self.dev.inbox
+        comm = self.comm(args.comm)
+        src = comm.sessions[args.root_src_dst]
+        key = ("p2p", comm.key)
+        try:
+            path = self.datapath(args)
+            dst = self.dev.array(args.addr_2, path.dtype, args.count)
+        except CallFailed:
+            inbox.cancel(key, src, posted)
+            raise
+        try:
+            msg = inbox.take_posted(key, src, posted, time.monotonic() + self.dev.timeout)
+        except PeerTimeout:
+            raise CallFailed(ErrorCode.RECEIVE_TIMEOUT_ERROR) from None
+        try:
+            data = inbox.data(msg)
+            if data.nbytes != args.count * path.wire.itemsize:
+                raise CallFailed(ErrorCode.DMA_SIZE_ERROR)
+            np.copyto(dst, data.view(path.wire), casting="unsafe")
+        finally:
+            inbox.release(msg)
+
+
+class _Run:
+    """One call's schedule in progress on one rank."""
+
+    def __init__(self, engine: Engine, args: CallArgs, comm: _Comm | None, seq: int) -> None:
+        self.engine, self.dev, self.args, self.comm, self.seq = engine, engine.dev, args, comm, seq
+        self.path = engine.datapath(args)
+        self.addrs = (args.addr_0, args.addr_1, args.addr_2)
+        self.itemsize = self.path.dtype.itemsize
+        self.sending: list[tuple[int, int, SendRequest]] = []  # rendezvous payloads in our memory
+        self.taken: list[Message] = []
+
+    def steps(self, steps: list[Step]) -> None:
+        try:
+            for step in steps:
+                if isinstance(step, Send):
+                    self._send(step)
+                elif isinstance(step, Copy):
+                    self._apply([step.src], step.dst, step.count, self._copy)
+                else:
+                    self._apply([step.a, step.b], step.dst, step.count, self._combine)
+            deadline = time.monotonic() + self.dev.timeout
+            for _, _, request in self.sending:
+                if not request.wait(deadline):
+                    raise CallFailed(ErrorCode.RECEIVE_TIMEOUT_ERROR)
+        except PeerTimeout:
+            raise CallFailed(ErrorCode.RECEIVE_TIMEOUT_ERROR) from None
+        finally:
+            self._release()
+            now = time.monotonic()
+            for _, _, request in self.sending:  # withdraw what no peer has started on
+                request.wait(now)
+
+    @staticmethod
+    def _copy(src: list[np.ndarray], dst: np.ndarray) -> None:
+        if not np.shares_memory(src[0], dst):
+            np.copyto(dst, src[0], casting="unsafe")
+
+    def _combine(self, ab: list[np.ndarray], dst: np.ndarray) -> None:
+        self.path.combine(ab[0], ab[1], dst)
+
+    def _apply(self, operands: list[Local | Incoming], loc: Local, count: int,
+               fn: Callable[[list[np.ndarray], np.ndarray], None]) -> None:
+        arrays = [self._operand(op, count) for op in operands]
+        start = self.addrs[loc.slot] + loc.offset * self.itemsize
+        end = start + count * self.itemsize
+        busy = [entry for entry in self.sending if entry[0] < end and start < entry[1]]
+        if busy:
+            # A peer still reads what we would overwrite. Let go of what we took from
+            # peers first (they may be waiting for that before reading ours).
+            arrays = [a.copy() if isinstance(op, Incoming) else a for a, op in zip(arrays, operands)]
+            self._release()
+            deadline = time.monotonic() + self.dev.timeout
+            for entry in busy:
+                if not entry[2].wait(deadline):
+                    raise CallFailed(ErrorCode.RECEIVE_TIMEOUT_ERROR)
+                self.sending.remove(entry)
+        fn(arrays, self._local(loc, count))
+        self._release()
+
+    def _local(self, loc: Local, count: int) -> np.ndarray:
+        return self.dev.array(self.addrs[loc.slot] + loc.offset * self.itemsize,
+                              self.path.dtype, count)
+
+    def _key(self, tag: int) -> Hashable:
+        assert self.comm is not None
+        return ("coll", self.comm.key, self.seq, self.args.scenario, tag)
+
+    def _operand(self, op: Local | Incoming, count: int) -> np.ndarray:
+        if isinstance(op, Local):
+            return self._local(op, count)
+        assert self.comm is not None
+        msg = self.dev.inbox.take_step(self.comm.sessions[op.peer], self._key(op.tag),
+                                       time.monotonic() + self.dev.timeout)
+        self.taken.append(msg)
+        data = self.dev.inbox.data(msg)
+        if data.nbytes != count * self.path.wire.itemsize:
+            raise CallFailed(ErrorCode.DMA_SIZE_ERROR)
+        return data.view(self.path.wire)
+
+    def _release(self) -> None:
+        while self.taken:
+            self.dev.inbox.release(self.taken.pop())
+
+    def _send(self, step: Send) -> None:
+        assert self.comm is not None
+        data = self._local(step.src, step.count)
+        payload = self.path.to_wire(data)
+        msg = Message(self.dev.session, self._key(step.tag), self.seq, step.tag,
+                      payload.view(np.uint8), eager=payload.nbytes <= self.dev.max_eager_size)
+        request = self.dev.port.post(self.comm.sessions[step.peer], msg)
+        if request is not COMPLETED:
+            start = self.addrs[step.src.slot] + step.src.offset * self.itemsize
+            end = start + payload.nbytes if payload is data else start  # a copy is ours alone
+            self.sending.append((start, end, request))

@@ -1,0 +1,8 @@
+"""Fabrics carry messages between soft CCLOs; the inbox matches them on arrival."""
+
+from ._inbox import Inbox, PostedRecv, RxPool
+from ._inprocess import InProcessFabric, InProcessPort
+from ._message import COMPLETED, Message, PeerTimeout, Port, SendRequest
+
+__all__ = ["COMPLETED", "InProcessFabric", "InProcessPort", "Inbox", "Message", "PeerTimeout", "Port",
+           "PostedRecv", "RxPool", "SendRequest"]
