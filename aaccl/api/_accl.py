@@ -220,7 +220,9 @@ class ACCL:
                             root_src_dst=r, dtype=b.dtype, compress_dtype=wire,
                             buffers=(b, None, b),
                             sync_in=(_head(b, n),) if is_root and not from_fpga else (),
-                            sync_out=None if is_root or to_fpga else _head(b, n))
+                            # the root's host copy is current unless its data came from the device
+                            sync_out=None if to_fpga or (is_root and not from_fpga)
+                            else _head(b, n))
 
     def scatter(self, sbuf: Buffer | None, rbuf: Buffer, count: int, root: int,
                 comm_id: int = GLOBAL_COMM, from_fpga: bool = False, to_fpga: bool = False,
