@@ -135,7 +135,7 @@ class ACCL:
         self._ncalls += 1
         finish = None if sync_out is None else sync_out.sync_from_device
         result = Call(f"{op} (rank {self._rank}, call {self._ncalls})", self, device_call, deps,
-                      finish, self._forget)
+                      finish, self._forget, tuple(b for b in buffers if b is not None))
         with self._lock:
             if not result.done():
                 self._outstanding.add(result)
@@ -307,8 +307,8 @@ class ACCL:
                   comm_id: int = GLOBAL_COMM, from_fpga: bool = False, to_fpga: bool = False,
                   compress_dtype: Any = None, *, waitfor: Calls = ()) -> Call:
         """Every rank's rbuf receives func over every rank's sbuf[:count]."""
-        return self._all("allreduce", Scenario.ALLREDUCE, sbuf, rbuf, count, False, False, func,
-                         comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
+        return self._all("allreduce", Scenario.ALLREDUCE, sbuf, rbuf, count, False, False,
+                         check.function(func), comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 
     def reduce_scatter(self, sbuf: Buffer, rbuf: Buffer, count: int, func: ReduceFunction,
                        comm_id: int = GLOBAL_COMM, from_fpga: bool = False,
@@ -317,7 +317,7 @@ class ACCL:
         """Rank i's rbuf receives chunk i (of `count` elements) of func over every
         rank's sbuf[:count * size]."""
         return self._all("reduce_scatter", Scenario.REDUCE_SCATTER, sbuf, rbuf, count, True, False,
-                         func, comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
+                         check.function(func), comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 
     def alltoall(self, sbuf: Buffer, rbuf: Buffer, count: int, comm_id: int = GLOBAL_COMM,
                  from_fpga: bool = False, to_fpga: bool = False, compress_dtype: Any = None,

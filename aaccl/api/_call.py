@@ -25,12 +25,14 @@ class Call:
     """
 
     __slots__ = ("name", "owner", "_device", "_lock", "_wakers", "_finished", "_error", "_retrieved",
-                 "_deps", "__weakref__")
+                 "_deps", "_buffers", "__weakref__")
 
     def __init__(self, name: str, owner: object, device: DeviceCall, deps: tuple[Call, ...],
                  finish: Callable[[], None] | None,
-                 on_done: Callable[[Call], None] | None = None) -> None:
+                 on_done: Callable[[Call], None] | None = None,
+                 buffers: tuple[object, ...] = ()) -> None:
         self.name, self.owner = name, owner
+        self._buffers = buffers  # the device uses them until it completes: keep them allocated
         self._device = device
         self._lock = threading.Lock()
         self._wakers: list[Callable[[], None]] = []
@@ -54,6 +56,7 @@ class Call:
                     error.__cause__ = failed[0]._error
             else:
                 self._deps = ()  # keep a chain's history only where it explains a failure
+            self._buffers = ()
             with self._lock:
                 self._error, self._finished = error, True
                 wakers, self._wakers = self._wakers, []

@@ -122,6 +122,8 @@ class Engine:
         elif isinstance(ticket, PostedRecv):
             comm = self.comm(args.comm)
             self.dev.inbox.cancel(("p2p", comm.key), comm.sessions[args.root_src_dst], ticket)
+        elif args.scenario in COLLECTIVES and isinstance(ticket, int):  # prefix of _Run._key
+            self.dev.inbox.abandon_steps(("coll", self.comm(args.comm).key, ticket))
 
     def _send_tombstone(self, args: CallArgs, seq: int) -> None:
         comm = self.comm(args.comm)
@@ -142,6 +144,7 @@ class Engine:
             if scenario == Scenario.CONFIG:
                 return self._config(args)
             if args.stream_flags:
+                self.abandon(args, ticket)  # a send's sequence number, a posted receive
                 raise CallFailed(ErrorCode.COLLECTIVE_NOT_IMPLEMENTED)  # no kernel streams here
             if scenario == Scenario.SEND:
                 self._send(args, ticket)
@@ -160,6 +163,8 @@ class Engine:
             else:
                 raise CallFailed(ErrorCode.COLLECTIVE_NOT_IMPLEMENTED)
         except CallFailed as failed:
+            if args.scenario in COLLECTIVES:
+                self.abandon(args, ticket)  # peers' messages for it would fill rx buffers
             return int(failed.code)
         return 0
 
@@ -239,6 +244,10 @@ class Engine:
             inbox.release(msg)
 
 
+def _reads(step: Step) -> tuple[Local | Incoming, ...]:
+    return (step.src,) if isinstance(step, (Send, Copy)) else (step.a, step.b)
+
+
 class _Run:
     """One call's schedule in progress on one rank."""
 
@@ -249,9 +258,11 @@ class _Run:
         self.itemsize = self.path.dtype.itemsize
         self.sending: list[tuple[int, int, SendRequest]] = []  # rendezvous payloads in our memory
         self.taken: list[Message] = []
+        self.saved: dict[tuple[Local, int], np.ndarray] = {}  # inputs as they were (in place)
 
     def steps(self, steps: list[Step]) -> None:
         try:
+            self._save_overwritten_inputs(steps)
             for step in steps:
                 if isinstance(step, Send):
                     self._send(step)
@@ -270,6 +281,33 @@ class _Run:
             now = time.monotonic()
             for _, _, request in self.sending:  # withdraw what no peer has started on
                 request.wait(now)
+
+    def _span(self, loc: Local, count: int) -> tuple[int, int]:
+        start = self.addrs[loc.slot] + loc.offset * self.itemsize
+        return start, start + count * self.itemsize
+
+    def _save_overwritten_inputs(self, steps: list[Step]) -> None:
+        """In place (buffers of two slots overlap), a step may read an input that an
+        earlier step overwrote through the other slot, e.g. a rank's own contribution
+        to a reduction folded in rank order: keep a copy of such inputs for it."""
+        reach = self.args.count * (self.comm.size if self.comm else 1) * self.itemsize
+        bases = sorted(a for a in self.addrs if a)  # no schedule reaches past count * size
+        if all(b - a >= reach for a, b in zip(bases, bases[1:])):
+            return  # not in place: the slots' buffers are apart
+        uses = [(step.count, [op for op in _reads(step) if isinstance(op, Local)],
+                 None if isinstance(step, Send) else step.dst) for step in steps if step.count]
+        written: list[tuple[Local, int, int]] = []
+        for count, reads, write in uses:
+            for loc in reads:
+                start, end = self._span(loc, count)
+                if any(w != loc and ws < end and start < we for w, ws, we in written):
+                    self.saved[(loc, count)] = self._local(loc, count).copy()
+            if write is not None:
+                written.append((write, *self._span(write, count)))
+
+    def _read(self, loc: Local, count: int) -> np.ndarray:
+        saved = self.saved.get((loc, count))
+        return self._local(loc, count) if saved is None else saved
 
     @staticmethod
     def _copy(src: list[np.ndarray], dst: np.ndarray) -> None:
@@ -308,7 +346,7 @@ class _Run:
 
     def _operand(self, op: Local | Incoming, count: int) -> np.ndarray:
         if isinstance(op, Local):
-            return self._local(op, count)
+            return self._read(op, count)
         assert self.comm is not None
         msg = self.dev.inbox.take_step(self.comm.sessions[op.peer], self._key(op.tag),
                                        time.monotonic() + self.dev.timeout)
@@ -324,12 +362,13 @@ class _Run:
 
     def _send(self, step: Send) -> None:
         assert self.comm is not None
-        data = self._local(step.src, step.count)
+        data = self._read(step.src, step.count)
         payload = self.path.to_wire(data)
         msg = Message(self.dev.session, self._key(step.tag), self.seq, step.tag,
                       payload.view(np.uint8), eager=payload.nbytes <= self.dev.max_eager_size)
         request = self.dev.port.post(self.comm.sessions[step.peer], msg)
         if request is not COMPLETED:
             start = self.addrs[step.src.slot] + step.src.offset * self.itemsize
-            end = start + payload.nbytes if payload is data else start  # a copy is ours alone
+            private = payload is not data or (step.src, step.count) in self.saved
+            end = start if private else start + payload.nbytes  # a copy is ours alone
             self.sending.append((start, end, request))

@@ -109,6 +109,7 @@ class Inbox:
         self._cond = threading.Condition(threading.Lock())
         self._streams: dict[Hashable, _Stream] = {}
         self._steps: dict[tuple[int, Hashable], Message] = {}
+        self._abandoned: set[Hashable] = set()  # ("coll", comm, seq) of collectives that gave up
         self._rx: RxPool | None = None
 
     def set_rx_pool(self, pool: RxPool | None) -> None:
@@ -120,6 +121,11 @@ class Inbox:
     def deliver(self, msg: Message) -> bool:
         """Accept a message; True if its payload was copied here (the send is done)."""
         with self._cond:
+            if msg.key[0] != "p2p" and msg.key[:3] in self._abandoned:
+                if not msg.eager:
+                    return False  # nobody will read it: the sender times out and withdraws
+                msg.state = DONE  # eager: it has left the sender, and nobody will take it
+                return True
             copied = msg.payload is None or (
                 msg.eager and self._rx is not None and self._rx.store(msg))
             if msg.key[0] == "p2p":
@@ -134,6 +140,8 @@ class Inbox:
         withdraw it if the receiver has not started on it."""
         with self._cond:
             while msg.state != DONE:
+                if msg.state == WITHDRAWN:  # asked again after it timed out
+                    return False
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 and msg.state == PENDING:
                     self._withdraw(msg)
@@ -153,6 +161,18 @@ class Inbox:
             self._steps.pop((msg.src, msg.key), None)
 
     # -- receiver side ------------------------------------------------------------
+
+    def abandon_steps(self, prefix: Hashable) -> None:
+        """A collective (steps keyed `prefix + (scenario, tag)`) failed or never ran
+        here: free its eager messages' rx buffers, now and as they arrive."""
+        with self._cond:
+            self._abandoned.add(prefix)
+            for slot in [k for k, m in self._steps.items()
+                         if k[1][:3] == prefix and m.payload is None]:
+                msg = self._steps.pop(slot)
+                if msg.slots and self._rx is not None:
+                    self._rx.release(msg)
+                msg.state = DONE
 
     def _stream(self, key: Hashable, src: int) -> _Stream:
         stream = self._streams.get((key, src))
