@@ -1,0 +1,426 @@
+"""In-process performance targets of DESIGN.md, measured side by side in one run.
+
+    python benchmarks/bench_inprocess.py            # full run: 64 MiB, about 15 s
+    python benchmarks/bench_inprocess.py --quick    # small sizes, a CI smoke test
+    python benchmarks/bench_inprocess.py --json -   # machine-readable results on stdout
+
+What it measures (see benchmarks/README.md for the details):
+
+(a) allreduce of `--size-mib` MiB of float32 over 4 in-process ranks on device-resident
+    buffers (from_fpga=True, to_fpga=True), against mpi4py's Comm.Allreduce over 4 MPICH
+    processes and against one numpy pass doing the same sums and copies;
+(b) the round trip of `await accl.nop()`;
+(c) a 4-byte allreduce (count=1 float32) over 4 in-process ranks, against MPICH's.
+
+One aaccl iteration is the wall time from just before the first rank submits its call
+to the moment the event loop has seen every rank's call complete (all four calls are
+awaited together): it covers the whole collective on every rank. One MPI iteration
+starts after a Barrier and lasts from the earliest rank's entry into Allreduce to the
+latest rank's return from it (time.perf_counter is CLOCK_MONOTONIC, one clock for
+every process of the machine). Medians are reported, after warm-up iterations.
+
+MPI is optional: without `mpiexec` or mpi4py, its columns read n/a. The script runs
+itself under `mpiexec -n 4 ... --mpi-worker` for the MPI side; rank 0 prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+RANKS = 4
+MiB = 1 << 20
+TARGET_SIZE_MIB = 64
+
+TARGETS = {
+    "allreduce_large_vs_mpi": "MPICH time / aaccl time >= 2.5",
+    "allreduce_large_vs_numpy": "aaccl time / numpy time <= 1.5",
+    "nop_round_trip": "median <= 20 us",
+    "allreduce_small_vs_mpi": "aaccl time / MPICH time <= 1.0",
+}
+
+
+def _median(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+def _spread(samples: list[float]) -> dict[str, float]:
+    return {"median": _median(samples), "min": min(samples), "max": max(samples),
+            "n": len(samples)}
+
+
+def _busy_cpus(seconds: float = 0.5) -> float | None:
+    """CPUs' worth of work other processes did over `seconds` (Linux; else None)."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    total = total1 - total0
+    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / total) if total else None
+
+
+# -- aaccl ----------------------------------------------------------------------------
+
+
+async def _aaccl_bench(count: int, iters: int, warmup: int, small_iters: int,
+                       nop_iters: int) -> dict[str, Any]:
+    import aaccl
+    from aaccl import ReduceFunction
+
+    out: dict[str, Any] = {}
+    async with aaccl.open_world(RANKS) as accls:
+        # (a) large allreduce on device-resident buffers
+        pairs = [(a.allocate((count,), np.float32), a.allocate((count,), np.float32))
+                 for a in accls]
+        for a, (src, dst) in zip(accls, pairs):
+            src[:] = a.rank + 1
+            src.sync_to_device()
+            dst.sync_to_device()  # fault the device pages in before timing
+
+        async def allreduce(n: int) -> float:
+            start = time.perf_counter()
+            await asyncio.gather(*(a.allreduce(s, d, n, ReduceFunction.SUM, from_fpga=True,
+                                               to_fpga=True) for a, (s, d) in zip(accls, pairs)))
+            return time.perf_counter() - start
+
+        for _ in range(warmup):
+            await allreduce(count)
+        large = [await allreduce(count) for _ in range(iters)]
+        expected = RANKS * (RANKS + 1) / 2
+        for src, dst in pairs:  # outside the timing: the result really is on every device
+            dst[:] = 0
+            dst.sync_from_device()
+            if not (dst[0] == expected and dst[-1] == expected and dst[count // 2] == expected):
+                raise AssertionError(f"aaccl allreduce gave {dst[[0, count // 2, -1]]}, "
+                                     f"expected {expected}")
+        out["allreduce_large_s"] = _spread(large)
+
+        # (c) 4-byte allreduce, same buffers, count=1
+        for _ in range(max(10, small_iters // 10)):
+            await allreduce(1)
+        small = [await allreduce(1) for _ in range(small_iters)]
+        out["allreduce_small_s"] = _spread(small)
+        start = time.perf_counter()  # informational: back to back, no gap between iterations
+        for _ in range(small_iters):
+            await asyncio.gather(*(a.allreduce(s, d, 1, ReduceFunction.SUM, from_fpga=True,
+                                               to_fpga=True) for a, (s, d) in zip(accls, pairs)))
+        out["allreduce_small_back_to_back_s"] = (time.perf_counter() - start) / small_iters
+        del pairs
+
+        # (b) nop round trip on rank 0 (the other ranks are idle)
+        accl = accls[0]
+        for _ in range(max(10, nop_iters // 10)):
+            await accl.nop()
+        nops = []
+        for _ in range(nop_iters):
+            start = time.perf_counter()
+            await accl.nop()
+            nops.append(time.perf_counter() - start)
+        out["nop_s"] = _spread(nops)
+    return out
+
+
+def run_aaccl(count: int, iters: int, warmup: int, small_iters: int,
+              nop_iters: int) -> dict[str, Any]:
+    try:
+        return asyncio.run(_aaccl_bench(count, iters, warmup, small_iters, nop_iters))
+    finally:
+        gc.collect()
+
+
+# -- numpy ------------------------------------------------------------------------------
+
+
+def run_numpy(count: int, iters: int, warmup: int) -> dict[str, Any]:
+    """One thread, one pass: dst0 = s0 + s1 + s2 + s3, then dst0 copied to dst1..3."""
+    srcs = [np.full(count, r + 1, np.float32) for r in range(RANKS)]
+    dsts = [np.ones(count, np.float32) for _ in range(RANKS)]  # pages faulted in
+
+    def one_pass() -> float:
+        start = time.perf_counter()
+        np.add(srcs[0], srcs[1], out=dsts[0])
+        for src in srcs[2:]:
+            np.add(dsts[0], src, out=dsts[0])
+        for dst in dsts[1:]:
+            np.copyto(dst, dsts[0])
+        return time.perf_counter() - start
+
+    for _ in range(warmup):
+        one_pass()
+    times = [one_pass() for _ in range(iters)]
+    del srcs, dsts
+    gc.collect()
+    return {"allreduce_large_s": _spread(times)}
+
+
+# -- MPI ----------------------------------------------------------------------------------
+
+
+def mpi_worker(count: int, iters: int, warmup: int, small_iters: int) -> None:
+    """Runs in each of the mpiexec processes; rank 0 prints one line of JSON."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+
+    def timed(src: np.ndarray, dst: np.ndarray, n: int, keep: bool) -> list[float]:
+        spans = []
+        for _ in range(n):
+            comm.Barrier()
+            start = time.perf_counter()
+            comm.Allreduce(src, dst, op=MPI.SUM)
+            end = time.perf_counter()
+            if keep:
+                ends = comm.gather((start, end), root=0)  # outside the timed span
+                if rank == 0:
+                    spans.append(max(e for _, e in ends) - min(s for s, _ in ends))
+        return spans
+
+    src = np.full(count, rank + 1, np.float32)
+    dst = np.ones(count, np.float32)
+    timed(src, dst, warmup, False)
+    large = timed(src, dst, iters, True)
+    expected = comm.Get_size() * (comm.Get_size() + 1) / 2
+    ok = bool(dst[0] == expected and dst[-1] == expected)
+    del src, dst
+    s1 = np.full(1, rank + 1, np.float32)
+    d1 = np.zeros(1, np.float32)
+    timed(s1, d1, max(10, small_iters // 10), False)
+    small = timed(s1, d1, small_iters, True)
+    comm.Barrier()
+    start = time.perf_counter()  # informational: back to back, as OSU's osu_allreduce does
+    for _ in range(small_iters):
+        comm.Allreduce(s1, d1, op=MPI.SUM)
+    elapsed = comm.reduce(time.perf_counter() - start, op=MPI.MAX, root=0)
+    if rank == 0:
+        print(json.dumps({
+            "size": comm.Get_size(), "library": MPI.Get_library_version().splitlines()[0],
+            "correct": ok and bool(d1[0] == expected),
+            "allreduce_large_s": _spread(large), "allreduce_small_s": _spread(small),
+            "allreduce_small_back_to_back_s": elapsed / small_iters}), flush=True)
+
+
+def run_mpi(args: argparse.Namespace, count: int, iters: int, warmup: int,
+            small_iters: int) -> dict[str, Any]:
+    """Launch this script under mpiexec; {"error": why} if MPI is not available."""
+    mpiexec = shutil.which("mpiexec")
+    if args.no_mpi:
+        return {"error": "--no-mpi"}
+    if mpiexec is None:
+        return {"error": "mpiexec not found on PATH"}
+    if importlib.util.find_spec("mpi4py") is None:
+        return {"error": "mpi4py is not installed"}
+    cmd = [mpiexec, "-n", str(RANKS), sys.executable, os.path.abspath(__file__),
+           "--mpi-worker", "--count", str(count), "--iters", str(iters), "--warmup",
+           str(warmup), "--small-iters", str(small_iters)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.mpi_timeout,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return {"error": f"mpiexec did not finish within {args.mpi_timeout} s", "command": cmd}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"error": f"mpiexec exited with {proc.returncode}: {' | '.join(tail)}",
+                "command": cmd}
+    result = json.loads(lines[-1])
+    result["command"] = " ".join(cmd)
+    result["env"] = {k: v for k, v in os.environ.items()
+                     if k.startswith(("MPIR_CVAR", "MPICH", "HYDRA", "UCX", "FI_"))}
+    return result
+
+
+# -- report --------------------------------------------------------------------------------
+
+
+def _fmt_time(seconds: float | None) -> str:
+    if seconds is None:
+        return "n/a"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else "PASS" if ok else "FAIL"
+
+
+def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per target; (a) binds only at the size DESIGN.md names (64 MiB)."""
+    aac, mpi, npy = results["aaccl"], results["mpi"], results["numpy"]
+    binding_size = results["config"]["size_mib"] == TARGET_SIZE_MIB
+    mpi_ok = "error" not in mpi
+
+    def med(block: dict[str, Any], key: str) -> float | None:
+        return block[key]["median"] if key in block else None
+
+    a_large, m_large = med(aac, "allreduce_large_s"), med(mpi, "allreduce_large_s")
+    n_large = med(npy, "allreduce_large_s")
+    a_small, m_small = med(aac, "allreduce_small_s"), med(mpi, "allreduce_small_s")
+    nop = med(aac, "nop_s")
+    rows = []
+    ratio = m_large / a_large if mpi_ok and a_large and m_large else None
+    rows.append({"target": "allreduce_large_vs_mpi", "ratio_name": "MPICH/aaccl",
+                 "ratio": ratio, "limit": ">= 2.5x",
+                 "pass": None if ratio is None else ratio >= 2.5})
+    ratio = a_large / n_large if a_large and n_large else None
+    rows.append({"target": "allreduce_large_vs_numpy", "ratio_name": "aaccl/numpy",
+                 "ratio": ratio, "limit": "<= 1.5x",
+                 "pass": None if ratio is None else ratio <= 1.5})
+    rows.append({"target": "nop_round_trip", "ratio_name": "", "ratio": None,
+                 "limit": "<= 20 us", "pass": None if nop is None else nop <= 20e-6})
+    ratio = a_small / m_small if mpi_ok and a_small and m_small else None
+    rows.append({"target": "allreduce_small_vs_mpi", "ratio_name": "aaccl/MPICH",
+                 "ratio": ratio, "limit": "<= 1.0x",
+                 "pass": None if ratio is None else ratio <= 1.0})
+    for row in rows:
+        row["binding"] = binding_size or not row["target"].startswith("allreduce_large")
+    return rows
+
+
+def print_table(results: dict[str, Any], verdicts: list[dict[str, Any]]) -> None:
+    aac, mpi, npy, cfg = results["aaccl"], results["mpi"], results["numpy"], results["config"]
+
+    def med(block: dict[str, Any], key: str) -> float | None:
+        return block[key]["median"] if key in block else None
+
+    size = f"{cfg['size_mib']:g} MiB"
+    head = f"{'measurement (median)':<36}{'aaccl':>11}{'MPICH':>11}{'numpy':>11}   " \
+           f"{'ratio':<20}{'target':<10}result"
+    print(head)
+    print("-" * len(head))
+    v = {row["target"]: row for row in verdicts}
+
+    def ratio(row: dict[str, Any]) -> str:
+        if not row["ratio_name"]:
+            return ""
+        return "n/a" if row["ratio"] is None else f"{row['ratio_name']} {row['ratio']:.2f}x"
+
+    def line(label: str, a: float | None, m: float | None, n: float | None,
+             row: dict[str, Any] | None) -> None:
+        tail = "" if row is None else f"{ratio(row):<20}{row['limit']:<10}" \
+            f"{_verdict(row['pass'])}{'' if row['binding'] else ' (info)'}"
+        cells = ["" if not label else _fmt_time(t) for t in (a, m, n)]
+        print(f"{label:<36}{cells[0]:>11}{cells[1]:>11}{cells[2]:>11}   {tail}".rstrip())
+
+    a_l, m_l, n_l = med(aac, "allreduce_large_s"), med(mpi, "allreduce_large_s"), \
+        med(npy, "allreduce_large_s")
+    line(f"(a) allreduce {size} f32, 4 ranks", a_l, m_l, n_l, v["allreduce_large_vs_mpi"])
+    line("", None, None, None, v["allreduce_large_vs_numpy"])
+    nbytes = cfg["count"] * 4
+    bw = [None if t is None else f"{nbytes / t / 1e9:.2f}" for t in (a_l, m_l, n_l)]
+    print(f"{'    algorithm bandwidth (GB/s)':<36}{bw[0] or 'n/a':>11}{bw[1] or 'n/a':>11}"
+          f"{bw[2] or 'n/a':>11}")
+    line("(b) await accl.nop() round trip", med(aac, "nop_s"), None, None, v["nop_round_trip"])
+    line("(c) allreduce 4 B, 4 ranks", med(aac, "allreduce_small_s"),
+         med(mpi, "allreduce_small_s"), None, v["allreduce_small_vs_mpi"])
+    line("    back to back, per iteration (info)", aac.get("allreduce_small_back_to_back_s"),
+         mpi.get("allreduce_small_back_to_back_s"), None, None)
+    print()
+    if not all(row["binding"] for row in verdicts):
+        print(f"(a)'s targets are set at {TARGET_SIZE_MIB} MiB: at {cfg['size_mib']:g} MiB "
+              "their verdicts are for information only")
+    print(f"iterations: large {cfg['iters']} (+{cfg['warmup']} warm-up), small "
+          f"{cfg['small_iters']}, nop {cfg['nop_iters']}; machine: {cfg['cpus']} CPUs, "
+          f"Python {cfg['python']}, numpy {cfg['numpy']}")
+    busy = cfg["busy_cpus_at_start"]
+    if busy is not None and busy > 0.3:
+        print(f"warning: other processes kept {busy:.1f} CPUs busy when the run started: "
+              "the timings are noisy")
+    if "error" in mpi:
+        print(f"MPI: n/a ({mpi['error']})")
+    else:
+        env = " ".join(f"{k}={val}" for k, val in mpi["env"].items()) or "none"
+        library = " ".join(mpi["library"].split())
+        print(f"MPI: {library}; {mpi['size']} processes, MPI env vars: {env}; "
+              f"results {'correct' if mpi['correct'] else 'WRONG'}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mib", type=float, default=None,
+                        help="allreduce size for (a), MiB of float32 (default 64, --quick: 4)")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="timed iterations of (a) (default 10, --quick: 3)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations of (a)")
+    parser.add_argument("--small-iters", type=int, default=None,
+                        help="timed iterations of (c) (default 1000, --quick: 100)")
+    parser.add_argument("--nop-iters", type=int, default=None,
+                        help="timed iterations of (b) (default 5000, --quick: 500)")
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a CI smoke test")
+    parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                        help="write the results as JSON to PATH (or stdout: -, the default) "
+                             "instead of the table")
+    parser.add_argument("--no-mpi", action="store_true", help="skip the MPICH comparison")
+    parser.add_argument("--mpi-timeout", type=float, default=900.0,
+                        help="seconds mpiexec may take")
+    parser.add_argument("--check", action="store_true",
+                        help="exit with status 1 if a target is missed")
+    parser.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--count", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    quick = args.quick
+    size_mib = args.size_mib if args.size_mib is not None else (4 if quick else 64)
+    count = args.count or max(1, int(size_mib * MiB) // 4)
+    iters = args.iters or (3 if quick else 10)
+    small_iters = args.small_iters or (100 if quick else 1000)
+    nop_iters = args.nop_iters or (500 if quick else 5000)
+    warmup = max(1, args.warmup)
+
+    if args.mpi_worker:
+        mpi_worker(count, iters, warmup, small_iters)
+        return 0
+
+    config = {"size_mib": count * 4 / MiB, "count": count, "iters": iters, "warmup": warmup,
+              "small_iters": small_iters, "nop_iters": nop_iters, "ranks": RANKS,
+              "cpus": os.cpu_count(), "python": platform.python_version(),
+              "numpy": np.__version__, "quick": quick,
+              "busy_cpus_at_start": _busy_cpus()}
+    log = sys.stderr if args.json == "-" else sys.stdout
+    print(f"numpy pass ({config['size_mib']:g} MiB)...", file=log, flush=True)
+    npy = run_numpy(count, iters, warmup)
+    print("aaccl, 4 in-process ranks...", file=log, flush=True)
+    aac = run_aaccl(count, iters, warmup, small_iters, nop_iters)
+    print("mpi4py over MPICH, 4 processes...", file=log, flush=True)
+    mpi = run_mpi(args, count, iters, warmup, small_iters)
+    results = {"config": config, "aaccl": aac, "mpi": mpi, "numpy": npy, "targets": TARGETS}
+    verdicts = evaluate(results)
+    results["verdicts"] = verdicts
+    if args.json is None:
+        print()
+        print_table(results, verdicts)
+    else:
+        text = json.dumps(results, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+            print_table(results, verdicts)
+    missed = any(row["pass"] is False and row["binding"] for row in verdicts)
+    return 1 if args.check and missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
