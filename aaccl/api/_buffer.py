@@ -31,13 +31,20 @@ class Buffer(np.ndarray):
     """
 
     _allocation: _Allocation | None
+    _address: int | None
 
     def __array_finalize__(self, obj: Any) -> None:
         self._allocation = getattr(obj, "_allocation", None)
+        self._address = None
 
     @property
     def device_address(self) -> int:
         """Device address of this (view's) first element."""
+        if self._address is None:
+            self._address = self._find_address()  # a view's memory never moves
+        return self._address
+
+    def _find_address(self) -> int:
         alloc = self._allocation
         offset = -1 if alloc is None else self.ctypes.data - alloc.host_ptr
         if alloc is None or offset < 0 or offset + self.nbytes > alloc.nbytes:

@@ -1,14 +1,17 @@
 """The soft CCLO: a software model of ACCL's CCLO that implements `Device`.
 
 It keeps its own exchange memory and device memory (so a missing host sync shows
-stale data, as on hardware), honours `waitfor` in its own scheduler (a dependent
-call starts when its dependencies complete, with no host round trip), and runs
-calls on its own worker threads, never on the caller's.
+stale data, as on hardware) and honours `waitfor` in its own scheduler (a dependent
+call starts when its dependencies complete, with no host round trip). Large calls
+run on its worker threads; small ones run on the thread that dispatches them and
+park, holding no thread, while they wait for a message — the thread that delivers
+it resumes them. Nothing a caller's thread runs here ever blocks.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,7 +20,8 @@ import numpy as np
 from .. import _exchmem as xm
 from .._constants import ErrorCode, Scenario
 from ..devices import CallArgs, DeviceCall
-from ._engine import CallFailed, Engine
+from ._engine import CallFailed, Engine, Escalate, Park, Task
+from ._progress import WATCHDOG, trampoline
 from ._memory import DeviceMemory
 from .fabric import Inbox, Port
 
@@ -107,17 +111,51 @@ class SoftDevice:
         return call
 
     def _dispatch(self, call: DeviceCall, ticket: object) -> None:
-        if call.args.scenario == Scenario.NOP:
+        args = call.args
+        if args.scenario == Scenario.NOP:
             call.complete(0)  # nothing to wait for: complete on the spot
             return
         try:
-            self._workers.submit(self._run, call, ticket)
+            task = self._engine.task(args, ticket)
+        except CallFailed as failed:
+            self._complete(call, int(failed.code))
+            return
+        if args.scenario != Scenario.CONFIG and args.count * 8 <= self.max_eager_size:
+            trampoline(self._advance, call, task, False)  # small: run here, park while waiting
+        else:
+            self._to_worker(call, task)
+
+    def _to_worker(self, call: DeviceCall, task: Task) -> None:
+        try:
+            self._workers.submit(self._advance, call, task, True)
         except RuntimeError:  # the device was closed
-            self._engine.abandon(call.args, ticket)
+            task.finish(True)
             call.complete(aborted=True)
 
-    def _run(self, call: DeviceCall, ticket: object) -> None:
-        retcode = self._engine.execute(call.args, ticket)
+    def _advance(self, call: DeviceCall, task: Task, blocking: bool) -> None:
+        """Run `task` on this thread until it ends, parks, or must go to a worker."""
+        try:
+            task.advance(blocking, lambda: trampoline(self._advance, call, task, False))
+        except Park:
+            WATCHDOG.arm(time.monotonic() + self.timeout, lambda: self._expire(call, task))
+            return
+        except Escalate:
+            self._to_worker(call, task)
+            return
+        except CallFailed as failed:
+            task.finish(True)
+            self._complete(call, int(failed.code))
+            return
+        task.finish(False)
+        self._complete(call, 0)
+
+    def _expire(self, call: DeviceCall, task: Task) -> None:
+        """A parked task's peer did not come in time (on the watchdog's thread)."""
+        if task.timed_out():
+            task.finish(True)
+            self._complete(call, int(ErrorCode.RECEIVE_TIMEOUT_ERROR))
+
+    def _complete(self, call: DeviceCall, retcode: int) -> None:
         self.exchmem[xm.RETCODE // 4] = retcode
         call.complete(retcode)
 

@@ -3,11 +3,16 @@ and executes the call's schedule over the fabric.
 
 `admit` runs when a call is submitted, in submission order, and fixes its place in
 the message order (send sequence numbers, posted receives, collective sequence
-numbers); `execute` runs it once its dependencies are done, on a device worker.
+numbers). Once its dependencies are done, `task` turns the call into a resumable
+task: `advance(blocking=True)` runs it to the end on a device worker;
+`advance(blocking=False)` runs it on the current thread until it would wait, then
+raises `Park` (a waiter resumes it when its message arrives) or `Escalate` (finish
+on a worker: it waits for something other than a message).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
@@ -34,6 +39,43 @@ class CallFailed(Exception):
         self.code = code
 
 
+class Park(Exception):
+    """The task registered a waiter for a message and let go of the thread."""
+
+
+class Escalate(Exception):
+    """The task must wait for something other than a message: run it on a worker."""
+
+
+Resume = Callable[[], None]
+
+
+class Task:
+    """A dispatched call. `advance` may be called again after Park/Escalate; `finish`
+    runs exactly once, when the call ends, whatever its outcome."""
+
+    def advance(self, blocking: bool, resume: Resume) -> None:
+        pass
+
+    def timed_out(self) -> bool:
+        """The parked task's deadline passed: give up its waiter. False if the waiter
+        fired first (then the task is running elsewhere)."""
+        return False
+
+    def finish(self, failed: bool) -> None:
+        pass
+
+
+class _Config(Task):
+    def __init__(self, engine: Engine, args: CallArgs) -> None:
+        self.engine, self.args = engine, args
+
+    def advance(self, blocking: bool, resume: Resume) -> None:
+        code = self.engine._config(self.args)
+        if code:
+            raise CallFailed(ErrorCode(code))
+
+
 class _Comm:
     """A communicator as read from exchange memory, with its matching key."""
 
@@ -50,6 +92,7 @@ class Engine:
         self.dev = device
         self._comms: dict[int, _Comm] = {}
         self._configs: dict[int, xm.ArithConfig] = {}
+        self._paths: dict[tuple[int, int, int], Datapath] = {}
         self._send_seq: dict[tuple[Hashable, int], int] = {}
         self._coll_seq: dict[Hashable, int] = {}
 
@@ -57,6 +100,7 @@ class Engine:
         """The host rewrote exchange memory: parse it again when next needed."""
         self._comms.clear()
         self._configs.clear()
+        self._paths.clear()
 
     # -- exchange memory ------------------------------------------------------------
 
@@ -80,10 +124,14 @@ class Engine:
                                                                          args.arithcfg)
             except (ValueError, IndexError):
                 raise CallFailed(ErrorCode.ARITH_ERROR) from None
-        try:
-            return Datapath(cfg, args.compression_flags, args.function)
-        except UnsupportedConfig:
-            raise CallFailed(ErrorCode.ARITH_ERROR) from None
+        key = (args.arithcfg, args.compression_flags, args.function)
+        path = self._paths.get(key)
+        if path is None:
+            try:
+                path = self._paths[key] = Datapath(cfg, args.compression_flags, args.function)
+            except UnsupportedConfig:
+                raise CallFailed(ErrorCode.ARITH_ERROR) from None
+        return path
 
     def _peer(self, comm: _Comm, index: int) -> int:
         if index >= comm.size:
@@ -133,40 +181,33 @@ class Engine:
 
     # -- execution --------------------------------------------------------------------
 
-    def execute(self, args: CallArgs, ticket: Any) -> int:
-        """Run the call; return its retcode."""
+    def task(self, args: CallArgs, ticket: Any) -> Task:
+        """The task that runs a dispatched call (CallFailed if it cannot run at all)."""
         try:
             if isinstance(ticket, CallFailed):
                 raise ticket
             scenario = args.scenario
-            if scenario == Scenario.NOP:
-                return 0
-            if scenario == Scenario.CONFIG:
-                return self._config(args)
+            if scenario in (Scenario.NOP, Scenario.CONFIG):
+                return _Config(self, args) if scenario == Scenario.CONFIG else Task()
             if args.stream_flags:
-                self.abandon(args, ticket)  # a send's sequence number, a posted receive
                 raise CallFailed(ErrorCode.COLLECTIVE_NOT_IMPLEMENTED)  # no kernel streams here
             if scenario == Scenario.SEND:
-                self._send(args, ticket)
-            elif scenario == Scenario.RECV:
-                self._recv(args, ticket)
-            elif scenario in (Scenario.COPY, Scenario.COMBINE):
-                _Run(self, args, None, 0).steps(schedule(Scenario(scenario), 0, 1, 0, args.count))
-            elif scenario in COLLECTIVES:
+                return _SendTask(self, args, ticket)
+            if scenario == Scenario.RECV:
+                return _RecvTask(self, args, ticket)
+            if scenario in (Scenario.COPY, Scenario.COMBINE):
+                return _Run(self, args, None, 0, _plan(scenario, 0, 1, 0, args.count))
+            if scenario in COLLECTIVES:
                 comm = self.comm(args.comm)
                 if scenario in (Scenario.BCAST, Scenario.SCATTER, Scenario.GATHER,
                                 Scenario.REDUCE) and args.root_src_dst >= comm.size:
                     raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
-                steps = schedule(Scenario(scenario), comm.rank, comm.size, args.root_src_dst,
-                                 args.count)
-                _Run(self, args, comm, ticket).steps(steps)
-            else:
-                raise CallFailed(ErrorCode.COLLECTIVE_NOT_IMPLEMENTED)
-        except CallFailed as failed:
-            if args.scenario in COLLECTIVES:
-                self.abandon(args, ticket)  # peers' messages for it would fill rx buffers
-            return int(failed.code)
-        return 0
+                return _Run(self, args, comm, ticket,
+                            _plan(scenario, comm.rank, comm.size, args.root_src_dst, args.count))
+            raise CallFailed(ErrorCode.COLLECTIVE_NOT_IMPLEMENTED)
+        except CallFailed:
+            self.abandon(args, ticket)  # its sequence number, posted receive, peers' steps
+            raise
 
     def _config(self, args: CallArgs) -> int:
         dev, function = self.dev, args.function
@@ -203,84 +244,152 @@ class Engine:
 
         return RxPool(views, bufsize, mark)
 
-    def _send(self, args: CallArgs, seq: int) -> None:
-        delivered = False
-        try:
-            comm = self.comm(args.comm)
-            dst = self._peer(comm, args.root_src_dst)
-            path = self.datapath(args)
-            payload = path.to_wire(self.dev.array(args.addr_0, path.dtype, args.count))
-            msg = Message(self.dev.session, ("p2p", comm.key), seq, args.tag,
-                          payload.view(np.uint8), eager=payload.nbytes <= self.dev.max_eager_size)
-            request = self.dev.port.post(dst, msg)
-            delivered = True
-            if not request.wait(time.monotonic() + self.dev.timeout):
-                raise CallFailed(ErrorCode.DEQUEUE_BUFFER_TIMEOUT_ERROR)
-        finally:
-            if not delivered:
-                self._send_tombstone(args, seq)
 
-    def _recv(self, args: CallArgs, posted: PostedRecv) -> None:
-        inbox = self.dev.inbox
-        comm = self.comm(args.comm)
-        src = comm.sessions[args.root_src_dst]
-        key = ("p2p", comm.key)
+
+class _SendTask(Task):
+    def __init__(self, engine: Engine, args: CallArgs, seq: int) -> None:
+        self.engine, self.args, self.seq = engine, args, seq
+        self.request: SendRequest | None = None
+
+    def advance(self, blocking: bool, resume: Resume) -> None:
+        engine, args, dev = self.engine, self.args, self.engine.dev
+        if self.request is None:
+            comm = engine.comm(args.comm)
+            dst = engine._peer(comm, args.root_src_dst)
+            path = engine.datapath(args)
+            payload = path.to_wire(dev.array(args.addr_0, path.dtype, args.count))
+            msg = Message(dev.session, ("p2p", comm.key), self.seq, args.tag,
+                          payload.view(np.uint8), eager=payload.nbytes <= dev.max_eager_size)
+            self.request = dev.port.post(dst, msg)
+        if self.request is COMPLETED:
+            return
+        if not blocking:
+            raise Escalate
+        if not self.request.wait(time.monotonic() + dev.timeout):
+            raise CallFailed(ErrorCode.DEQUEUE_BUFFER_TIMEOUT_ERROR)
+
+    def finish(self, failed: bool) -> None:
+        if self.request is None:
+            self.engine._send_tombstone(self.args, self.seq)
+
+
+class _RecvTask(Task):
+    def __init__(self, engine: Engine, args: CallArgs, posted: PostedRecv) -> None:
+        self.engine, self.args, self.posted = engine, args, posted
+        comm = engine.comm(args.comm)
+        self.src, self.key = comm.sessions[args.root_src_dst], ("p2p", comm.key)
+        self.taken = False
+
+    def advance(self, blocking: bool, resume: Resume) -> None:
+        dev, args = self.engine.dev, self.args
+        path = self.engine.datapath(args)
+        dst = dev.array(args.addr_2, path.dtype, args.count)
+        if blocking:
+            try:
+                msg = dev.inbox.take_posted(self.key, self.src, self.posted,
+                                            time.monotonic() + dev.timeout)
+            except PeerTimeout:
+                raise CallFailed(ErrorCode.RECEIVE_TIMEOUT_ERROR) from None
+        else:
+            msg = dev.inbox.take_posted_nowait(self.key, self.src, self.posted, resume)
+            if msg is None:
+                raise Park
+        self.taken = True
         try:
-            path = self.datapath(args)
-            dst = self.dev.array(args.addr_2, path.dtype, args.count)
-        except CallFailed:
-            inbox.cancel(key, src, posted)
-            raise
-        try:
-            msg = inbox.take_posted(key, src, posted, time.monotonic() + self.dev.timeout)
-        except PeerTimeout:
-            raise CallFailed(ErrorCode.RECEIVE_TIMEOUT_ERROR) from None
-        try:
-            data = inbox.data(msg)
+            data = dev.inbox.data(msg)
             if data.nbytes != args.count * path.wire.itemsize:
                 raise CallFailed(ErrorCode.DMA_SIZE_ERROR)
             np.copyto(dst, data.view(path.wire), casting="unsafe")
         finally:
-            inbox.release(msg)
+            dev.inbox.release(msg)
+
+    def timed_out(self) -> bool:
+        return self.engine.dev.inbox.unpark_posted(self.key, self.src, self.posted)
+
+    def finish(self, failed: bool) -> None:
+        if not self.taken:
+            self.engine.dev.inbox.cancel(self.key, self.src, self.posted)
 
 
 def _reads(step: Step) -> tuple[Local | Incoming, ...]:
     return (step.src,) if isinstance(step, (Send, Copy)) else (step.a, step.b)
 
 
-class _Run:
+class Plan:
+    """A schedule and how far into each buffer slot it reaches (in elements)."""
+
+    __slots__ = ("steps", "reach")
+
+    def __init__(self, steps: list[Step]) -> None:
+        self.steps = steps
+        self.reach = [0, 0, 0]
+        for step in steps:
+            for loc in _reads(step) + (() if isinstance(step, Send) else (step.dst,)):
+                if isinstance(loc, Local) and step.count:
+                    self.reach[loc.slot] = max(self.reach[loc.slot], loc.offset + step.count)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(scenario: int, rank: int, size: int, root: int, count: int) -> Plan:
+    """Plans are pure and immutable: compute each one once."""
+    return Plan(schedule(Scenario(scenario), rank, size, root, count))
+
+
+class _Run(Task):
     """One call's schedule in progress on one rank."""
 
-    def __init__(self, engine: Engine, args: CallArgs, comm: _Comm | None, seq: int) -> None:
+    def __init__(self, engine: Engine, args: CallArgs, comm: _Comm | None, seq: int,
+                 plan: Plan) -> None:
         self.engine, self.dev, self.args, self.comm, self.seq = engine, engine.dev, args, comm, seq
         self.path = engine.datapath(args)
         self.addrs = (args.addr_0, args.addr_1, args.addr_2)
         self.itemsize = self.path.dtype.itemsize
+        self.plan, self.pc = plan.steps, 0
         self.sending: list[tuple[int, int, SendRequest]] = []  # rendezvous payloads in our memory
-        self.taken: list[Message] = []
+        self.taken: dict[Incoming, Message] = {}  # messages the current step holds
+        self.parked: Incoming | None = None
         self.saved: dict[tuple[Local, int], np.ndarray] = {}  # inputs as they were (in place)
+        # each slot's elements as far as the plan reaches, resolved once
+        self.reach = plan.reach
+        self.views = [self.dev.array(address, self.path.dtype, n) if n else None
+                      for address, n in zip(self.addrs, plan.reach)]
+        self._save_overwritten_inputs(plan.steps)
 
-    def steps(self, steps: list[Step]) -> None:
+    def advance(self, blocking: bool, resume: Resume) -> None:
+        self.blocking, self.resume = blocking, resume
         try:
-            self._save_overwritten_inputs(steps)
-            for step in steps:
+            while self.pc < len(self.plan):
+                step = self.plan[self.pc]
                 if isinstance(step, Send):
                     self._send(step)
                 elif isinstance(step, Copy):
                     self._apply([step.src], step.dst, step.count, self._copy)
                 else:
                     self._apply([step.a, step.b], step.dst, step.count, self._combine)
-            deadline = time.monotonic() + self.dev.timeout
-            for _, _, request in self.sending:
-                if not request.wait(deadline):
-                    raise CallFailed(ErrorCode.RECEIVE_TIMEOUT_ERROR)
+                self.pc += 1
+            if self.sending:
+                if not blocking:
+                    raise Escalate
+                deadline = time.monotonic() + self.dev.timeout
+                for _, _, request in self.sending:
+                    if not request.wait(deadline):
+                        raise CallFailed(ErrorCode.RECEIVE_TIMEOUT_ERROR)
+                self.sending.clear()
         except PeerTimeout:
             raise CallFailed(ErrorCode.RECEIVE_TIMEOUT_ERROR) from None
-        finally:
-            self._release()
-            now = time.monotonic()
-            for _, _, request in self.sending:  # withdraw what no peer has started on
-                request.wait(now)
+
+    def timed_out(self) -> bool:
+        parked, self.parked = self.parked, None
+        return parked is not None and self.dev.inbox.unpark_step(
+            self.comm.sessions[parked.peer], self._key(parked.tag))
+
+    def finish(self, failed: bool) -> None:
+        self._release()
+        now = time.monotonic()
+        for _, _, request in self.sending:  # withdraw what no peer has started on
+            request.wait(now)
+        if failed and self.comm is not None:
+            self.engine.abandon(self.args, self.seq)  # peers' messages would fill rx buffers
 
     def _span(self, loc: Local, count: int) -> tuple[int, int]:
         start = self.addrs[loc.slot] + loc.offset * self.itemsize
@@ -290,10 +399,10 @@ class _Run:
         """In place (buffers of two slots overlap), a step may read an input that an
         earlier step overwrote through the other slot, e.g. a rank's own contribution
         to a reduction folded in rank order: keep a copy of such inputs for it."""
-        reach = self.args.count * (self.comm.size if self.comm else 1) * self.itemsize
-        bases = sorted(a for a in self.addrs if a)  # no schedule reaches past count * size
-        if all(b - a >= reach for a, b in zip(bases, bases[1:])):
-            return  # not in place: the slots' buffers are apart
+        spans = [(a, a + n * self.itemsize) for a, n in zip(self.addrs, self.reach) if n]
+        if not any(a0 < b1 and b0 < a1 for i, (a0, a1) in enumerate(spans)
+                   for b0, b1 in spans[i + 1:]):
+            return  # not in place: the buffers the plan uses are apart
         uses = [(step.count, [op for op in _reads(step) if isinstance(op, Local)],
                  None if isinstance(step, Send) else step.dst) for step in steps if step.count]
         written: list[tuple[Local, int, int]] = []
@@ -323,6 +432,8 @@ class _Run:
         start = self.addrs[loc.slot] + loc.offset * self.itemsize
         end = start + count * self.itemsize
         busy = [entry for entry in self.sending if entry[0] < end and start < entry[1]]
+        if busy and not self.blocking:
+            raise Escalate
         if busy:
             # A peer still reads what we would overwrite. Let go of what we took from
             # peers first (they may be waiting for that before reading ours).
@@ -337,8 +448,10 @@ class _Run:
         self._release()
 
     def _local(self, loc: Local, count: int) -> np.ndarray:
-        return self.dev.array(self.addrs[loc.slot] + loc.offset * self.itemsize,
-                              self.path.dtype, count)
+        view = self.views[loc.slot]
+        if view is None:
+            return np.empty(0, self.path.dtype)
+        return view[loc.offset:loc.offset + count]
 
     def _key(self, tag: int) -> Hashable:
         assert self.comm is not None
@@ -348,9 +461,17 @@ class _Run:
         if isinstance(op, Local):
             return self._read(op, count)
         assert self.comm is not None
-        msg = self.dev.inbox.take_step(self.comm.sessions[op.peer], self._key(op.tag),
-                                       time.monotonic() + self.dev.timeout)
-        self.taken.append(msg)
+        msg = self.taken.get(op)
+        if msg is None:
+            src, key = self.comm.sessions[op.peer], self._key(op.tag)
+            if self.blocking:
+                msg = self.dev.inbox.take_step(src, key, time.monotonic() + self.dev.timeout)
+            else:
+                msg = self.dev.inbox.take_step_nowait(src, key, self.resume)
+                if msg is None:
+                    self.parked = op
+                    raise Park
+            self.taken[op] = msg
         data = self.dev.inbox.data(msg)
         if data.nbytes != count * self.path.wire.itemsize:
             raise CallFailed(ErrorCode.DMA_SIZE_ERROR)
@@ -358,7 +479,7 @@ class _Run:
 
     def _release(self) -> None:
         while self.taken:
-            self.dev.inbox.release(self.taken.pop())
+            self.dev.inbox.release(self.taken.popitem()[1])
 
     def _send(self, step: Send) -> None:
         assert self.comm is not None

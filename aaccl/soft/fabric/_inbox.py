@@ -22,11 +22,16 @@ def tags_match(a: int, b: int) -> bool:
     return a == b or a == TAG_ANY or b == TAG_ANY
 
 
+Waiter = Callable[[], None]
+"""Resumes a parked call; the inbox calls it once, outside its lock."""
+
+
 class PostedRecv:
-    __slots__ = ("tag", "active")
+    __slots__ = ("tag", "active", "waiter")
 
     def __init__(self, tag: int) -> None:
         self.tag, self.active = tag, True
+        self.waiter: Waiter | None = None
 
 
 class _Stream:
@@ -109,6 +114,7 @@ class Inbox:
         self._cond = threading.Condition(threading.Lock())
         self._streams: dict[Hashable, _Stream] = {}
         self._steps: dict[tuple[int, Hashable], Message] = {}
+        self._step_waiters: dict[tuple[int, Hashable], Waiter] = {}
         self._abandoned: set[Hashable] = set()  # ("coll", comm, seq) of collectives that gave up
         self._rx: RxPool | None = None
 
@@ -129,11 +135,27 @@ class Inbox:
             copied = msg.payload is None or (
                 msg.eager and self._rx is not None and self._rx.store(msg))
             if msg.key[0] == "p2p":
-                self._stream(msg.key, msg.src).arrive(msg)
+                stream = self._stream(msg.key, msg.src)
+                stream.arrive(msg)
+                ready = self._ready(stream)
             else:
                 self._steps[(msg.src, msg.key)] = msg
+                waiter = self._step_waiters.pop((msg.src, msg.key), None)
+                ready = [] if waiter is None else [waiter]
             self._cond.notify_all()
+        for waiter in ready:
+            waiter()
         return copied
+
+    @staticmethod
+    def _ready(stream: _Stream) -> list[Waiter]:
+        """Waiters of parked receives that a message now matches (call with the lock)."""
+        ready = []
+        for posted in stream.posted:
+            if posted.waiter is not None and stream.match(posted) is not None:
+                ready.append(posted.waiter)
+                posted.waiter = None
+        return ready
 
     def wait_consumed(self, msg: Message, deadline: float) -> bool:
         """Wait until the receiver is done with a rendezvous payload; on timeout,
@@ -188,28 +210,80 @@ class Inbox:
         return recv
 
     def cancel(self, key: Hashable, src: int, recv: PostedRecv) -> None:
+        ready: list[Waiter] = []
         with self._cond:
             if recv.active:
                 recv.active = False
-                self._stream(key, src).posted.remove(recv)
+                stream = self._stream(key, src)
+                stream.posted.remove(recv)
+                ready = self._ready(stream)  # what recv claimed may now go to a later one
                 self._cond.notify_all()
+        for waiter in ready:
+            waiter()
 
     def take_posted(self, key: Hashable, src: int, recv: PostedRecv, deadline: float) -> Message:
         stream = self._stream(key, src)
+        ready: list[Waiter] = []
         with self._cond:
             while (msg := stream.match(recv)) is None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    recv.active = False
-                    stream.posted.remove(recv)
-                    self._cond.notify_all()
-                    raise PeerTimeout
+                    break
                 self._cond.wait(remaining)
+            else:
+                recv.active = False
+                stream.posted.remove(recv)
+                stream.visible.remove(msg)
+                msg.state = TAKEN
+                ready = self._ready(stream)
+        if msg is None:
+            self.cancel(key, src, recv)
+            raise PeerTimeout
+        for waiter in ready:
+            waiter()
+        return msg
+
+    def take_posted_nowait(self, key: Hashable, src: int, recv: PostedRecv,
+                           waiter: Waiter) -> Message | None:
+        """Take recv's message if it is here; otherwise park: `waiter` fires once it is."""
+        stream = self._stream(key, src)
+        with self._cond:
+            msg = stream.match(recv)
+            if msg is None:
+                recv.waiter = waiter
+                return None
             recv.active = False
             stream.posted.remove(recv)
             stream.visible.remove(msg)
             msg.state = TAKEN
+            ready = self._ready(stream)
+        for other in ready:
+            other()
         return msg
+
+    def unpark_posted(self, key: Hashable, src: int, recv: PostedRecv) -> bool:
+        """Give up a parked receive (it timed out); False if its waiter already fired."""
+        with self._cond:
+            if recv.waiter is None:
+                return False
+            recv.waiter = None
+        self.cancel(key, src, recv)
+        return True
+
+    def take_step_nowait(self, src: int, key: Hashable, waiter: Waiter) -> Message | None:
+        """Take a collective step's message if it is here; otherwise park."""
+        with self._cond:
+            msg = self._steps.pop((src, key), None)
+            if msg is None:
+                self._step_waiters[(src, key)] = waiter
+                return None
+            msg.state = TAKEN
+        return msg
+
+    def unpark_step(self, src: int, key: Hashable) -> bool:
+        """Give up a parked step (it timed out); False if its waiter already fired."""
+        with self._cond:
+            return self._step_waiters.pop((src, key), None) is not None
 
     def take_step(self, src: int, key: Hashable, deadline: float) -> Message:
         with self._cond:
