@@ -14,11 +14,12 @@ from ._constants import (
     StreamFlags,
 )
 from ._errors import ACCLError, CCLOError, DependencyError
-from .api import ACCL, Buffer, Call, open_world, run
+from .api import ACCL, Buffer, Call, mpi_launched, open_world, run
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ACCL", "ACCLError", "Buffer", "CCLOError", "Call", "CompressionFlags", "DependencyError",
-    "ErrorCode", "GLOBAL_COMM", "ReduceFunction", "StreamFlags", "TAG_ANY", "open_world", "run",
+    "ErrorCode", "GLOBAL_COMM", "ReduceFunction", "StreamFlags", "TAG_ANY", "mpi_launched",
+    "open_world", "run",
 ]

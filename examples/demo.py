@@ -1,6 +1,7 @@
 """aaccl's demo: four ranks as tasks in one event loop, on the embedded soft CCLO.
 
     python examples/demo.py [--ranks N] [--backend asyncio|trio]
+    mpiexec -n 4 python examples/demo.py         # one rank per process (pip install aaccl[mpi])
 
 Each rank runs `main` below. Every operation returns a Call; awaiting it waits for
 the CCLO. Chained calls (`waitfor=[...]`) run as one dependency graph on the device.
@@ -59,11 +60,21 @@ async def main(accl: aaccl.ACCL) -> list[str]:
 
 def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="ranks in this process (default 4; under mpiexec: the job's size)")
     parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     args = parser.parse_args()
-    print(f"aaccl {aaccl.__version__}: {args.ranks} ranks on the soft CCLO ({args.backend})")
-    for rank, lines in enumerate(aaccl.run(main, world_size=args.ranks, backend=args.backend)):
+    ranks = args.ranks if args.ranks or aaccl.mpi_launched() else 4
+    results = aaccl.run(main, world_size=ranks, backend=args.backend)
+    if aaccl.mpi_launched():
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.rank != 0:
+            return  # every process has every rank's results: let one print them
+    where = "one process per rank (MPI)" if aaccl.mpi_launched() else "in this process"
+    print(f"aaccl {aaccl.__version__}: {len(results)} ranks on the soft CCLO, {where} "
+          f"({args.backend})")
+    for rank, lines in enumerate(results):
         for line in lines:
             print(f"  rank {rank}: {line}")
 

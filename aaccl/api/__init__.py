@@ -3,6 +3,6 @@
 from ._accl import ACCL
 from ._buffer import Buffer
 from ._call import Call
-from ._world import open_world, run
+from ._world import mpi_launched, open_world, run
 
-__all__ = ["ACCL", "Buffer", "Call", "open_world", "run"]
+__all__ = ["ACCL", "Buffer", "Call", "mpi_launched", "open_world", "run"]

@@ -1,8 +1,13 @@
-"""Worlds of ranks: `open_world` builds them, `run` runs one function on each."""
+"""Worlds of ranks: `open_world` builds them, `run` runs one function on each.
+
+A world's ranks are tasks of one process (the in-process fabric), or one rank per
+process under `mpiexec` (the MPI fabric); the same program runs either way.
+"""
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -11,6 +16,7 @@ from typing import Any, TypeVar
 import anyio
 
 from .. import _exchmem as xm
+from .._errors import ACCLError
 from ..driver import Driver
 from ..soft import InProcessFabric, SoftDevice
 from ._accl import ACCL
@@ -20,43 +26,65 @@ if sys.version_info < (3, 11):
 
 T = TypeVar("T")
 DEVICES = ("soft",)
+FABRICS = ("auto", "inprocess", "mpi")
+_MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
 
 
-def _check_options(world_size: Any, device: str, nbufs: Any, bufsize: Any, timeout: Any) -> None:
-    for name, value in (("world_size", world_size), ("nbufs", nbufs), ("bufsize", bufsize)):
+def mpi_launched() -> bool:
+    """True in a process that mpiexec/mpirun started as part of a multi-process job."""
+    return any(int(os.environ.get(name, "1")) > 1 for name in _MPI_SIZE_VARIABLES[:2])
+
+
+def _check_options(world_size: Any, device: str, fabric: str, nbufs: Any, bufsize: Any,
+                   timeout: Any) -> None:
+    if world_size is not None or fabric == "inprocess":
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    for name, value in (("nbufs", nbufs), ("bufsize", bufsize)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r}: available here: {', '.join(DEVICES)}")
+    if fabric not in FABRICS:
+        raise ValueError(f"unknown fabric {fabric!r}: choose from {', '.join(FABRICS)}")
     if bufsize % 8:
         raise ValueError(f"bufsize must be a multiple of 8 bytes, got {bufsize}")
     if not isinstance(timeout, (int, float)) or not 0 < timeout < 4000 or math.isnan(timeout):
         raise ValueError(f"timeout must be a positive number of seconds below 4000, got {timeout!r}")
 
 
-@asynccontextmanager
-async def open_world(world_size: int, *, device: str = "soft", nbufs: int = 16,
-                     bufsize: int = 1024, timeout: float = 10.0) -> AsyncIterator[list[ACCL]]:
-    """Open `world_size` ranks in this process; yield their ACCLs in rank order.
+def _ranks(size: int, bufsize: int) -> list[xm.RankRecord]:
+    return [xm.RankRecord(ip=xm.ip_encode("127.0.0.1"), port=17000 + r, session=r,
+                          max_segment_size=bufsize) for r in range(size)]
 
-    `nbufs` eager rx buffers of `bufsize` bytes each per rank; `timeout` seconds a
-    call waits for a peer before it fails with RECEIVE_TIMEOUT_ERROR. On exit, waits
-    for every outstanding call and releases the devices.
+
+@asynccontextmanager
+async def open_world(world_size: int | None = None, *, device: str = "soft",
+                     fabric: str = "auto", nbufs: int = 16, bufsize: int = 1024,
+                     timeout: float = 10.0) -> AsyncIterator[list[ACCL]]:
+    """Open this process's ranks of a world; yield their ACCLs in rank order.
+
+    With the in-process fabric (the default outside mpiexec), `world_size` ranks
+    live in this process. Under mpiexec (`fabric="auto"` or `"mpi"`), this process
+    is one rank of the MPI job and the list holds its ACCL alone; `world_size`, if
+    given, must match the job. `nbufs` eager rx buffers of `bufsize` bytes each per
+    rank; `timeout` seconds a call waits for a peer before it fails with
+    RECEIVE_TIMEOUT_ERROR. On exit, waits for every outstanding call and releases
+    the devices.
     """
-    _check_options(world_size, device, nbufs, bufsize, timeout)
-    fabric = InProcessFabric(world_size)
-    ranks = [xm.RankRecord(ip=xm.ip_encode("127.0.0.1"), port=17000 + r, session=r,
-                           max_segment_size=bufsize) for r in range(world_size)]
+    _check_options(world_size, device, fabric, nbufs, bufsize, timeout)
+    if fabric == "mpi" or (fabric == "auto" and mpi_launched()):
+        async with _mpi_world(world_size, nbufs, bufsize, timeout) as accls:
+            yield accls
+        return
+    assert world_size is not None
+    inprocess = InProcessFabric(world_size)
+    ranks = _ranks(world_size, bufsize)
     accls: list[ACCL] = []
     try:
         for rank in range(world_size):
-            dev = SoftDevice(rank, fabric.port(rank), fabric.inboxes[rank])
-            driver = Driver(dev, rank, ranks, nbufs=nbufs, bufsize=bufsize, timeout=timeout)
-            try:
-                accls.append(await ACCL.open(driver))
-            except BaseException:
-                dev.close()
-                raise
+            dev = SoftDevice(rank, inprocess.port(rank), inprocess.inboxes[rank])
+            accls.append(await _open(dev, rank, ranks, nbufs, bufsize, timeout))
         yield accls
     finally:
         with anyio.CancelScope(shield=True):
@@ -64,18 +92,55 @@ async def open_world(world_size: int, *, device: str = "soft", nbufs: int = 16,
                 await accl.aclose()
 
 
-def run(main: Callable[[ACCL], Awaitable[T]], world_size: int, *, backend: str = "asyncio",
-        **options: Any) -> list[T]:
-    """Run `main(accl)` for every rank, as tasks of one event loop; return their
-    results in rank order.
+async def _open(dev: SoftDevice, rank: int, ranks: list[xm.RankRecord], nbufs: int,
+                bufsize: int, timeout: float) -> ACCL:
+    driver = Driver(dev, rank, ranks, nbufs=nbufs, bufsize=bufsize, timeout=timeout)
+    try:
+        return await ACCL.open(driver)
+    except BaseException:
+        dev.close()
+        raise
 
-    `backend` is "asyncio" or "trio"; `options` go to `open_world`. If ranks fail,
-    the others are cancelled; a single failure is raised as itself, several as an
-    exception group.
+
+@asynccontextmanager
+async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int,
+                     timeout: float) -> AsyncIterator[list[ACCL]]:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ImportError("the MPI fabric needs mpi4py: pip install 'aaccl[mpi]'") from None
+    from ..soft import MPIFabric
+
+    size = MPI.COMM_WORLD.Get_size()
+    if world_size is not None and world_size != size:
+        raise ValueError(f"world_size={world_size}, but this MPI job has {size} processes")
+    fabric = MPIFabric(MPI.COMM_WORLD, nbufs, bufsize)
+    try:
+        dev = SoftDevice(fabric.rank, fabric.port(fabric.rank), fabric.inbox)
+        accl = await _open(dev, fabric.rank, _ranks(size, bufsize), nbufs, bufsize, timeout)
+        try:
+            yield [accl]
+        finally:
+            with anyio.CancelScope(shield=True):
+                await accl.aclose()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(fabric.close, timeout)
+
+
+def run(main: Callable[[ACCL], Awaitable[T]], world_size: int | None = None, *,
+        backend: str = "asyncio", **options: Any) -> list[T]:
+    """Run `main(accl)` for every rank; return their results in rank order.
+
+    Outside mpiexec, the ranks are tasks of one event loop in this process. Under
+    mpiexec, this process runs its own rank, and every process gets the list of all
+    ranks' results. `backend` is "asyncio" or "trio"; `options` go to `open_world`.
+    If ranks fail, the others are cancelled; a single failure is raised as itself,
+    several as an exception group.
     """
 
     async def world() -> list[T]:
-        results: list[Any] = [None] * world_size
+        results: dict[int, Any] = {}
 
         async def rank(accl: ACCL) -> None:
             results[accl.rank] = await main(accl)
@@ -84,7 +149,10 @@ def run(main: Callable[[ACCL], Awaitable[T]], world_size: int, *, backend: str =
             async with anyio.create_task_group() as tasks:
                 for accl in accls:
                     tasks.start_soon(rank, accl)
-        return results
+            if len(accls) == 1 and accls[0].size > 1:  # one rank of an MPI job
+                return await anyio.to_thread.run_sync(_gather_results, results[accls[0].rank],
+                                                      options.get("timeout", 10.0))
+        return [results[r] for r in range(len(results))]
 
     try:
         return anyio.run(world, backend=backend)
@@ -92,3 +160,20 @@ def run(main: Callable[[ACCL], Awaitable[T]], world_size: int, *, backend: str =
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
         raise
+
+
+def _gather_results(mine: Any, timeout: float) -> list[Any]:
+    """Every MPI rank's result, once all have one (a rank that died makes this fail
+    after `timeout` instead of hanging)."""
+    import time
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    barrier = comm.Ibarrier()
+    deadline = time.monotonic() + timeout
+    while not barrier.Test():
+        if time.monotonic() > deadline:
+            raise ACCLError(f"not every rank finished within {timeout} s of rank {comm.rank}")
+        time.sleep(0.001)
+    return comm.allgather(mine)

@@ -126,23 +126,29 @@ class Inbox:
 
     def deliver(self, msg: Message) -> bool:
         """Accept a message; True if its payload was copied here (the send is done)."""
+        ready: list[Waiter] = []
         with self._cond:
-            if msg.key[0] != "p2p" and msg.key[:3] in self._abandoned:
+            dropped = msg.key[0] != "p2p" and msg.key[:3] in self._abandoned
+            if dropped:
                 if not msg.eager:
                     return False  # nobody will read it: the sender times out and withdraws
                 msg.state = DONE  # eager: it has left the sender, and nobody will take it
-                return True
-            copied = msg.payload is None or (
-                msg.eager and self._rx is not None and self._rx.store(msg))
-            if msg.key[0] == "p2p":
-                stream = self._stream(msg.key, msg.src)
-                stream.arrive(msg)
-                ready = self._ready(stream)
             else:
-                self._steps[(msg.src, msg.key)] = msg
-                waiter = self._step_waiters.pop((msg.src, msg.key), None)
-                ready = [] if waiter is None else [waiter]
-            self._cond.notify_all()
+                copied = msg.payload is None or (
+                    msg.eager and self._rx is not None and self._rx.store(msg))
+                if msg.key[0] == "p2p":
+                    stream = self._stream(msg.key, msg.src)
+                    stream.arrive(msg)
+                    ready = self._ready(stream)
+                else:
+                    self._steps[(msg.src, msg.key)] = msg
+                    waiter = self._step_waiters.pop((msg.src, msg.key), None)
+                    ready = [] if waiter is None else [waiter]
+                self._cond.notify_all()
+        if dropped:
+            if msg.on_done is not None:
+                msg.on_done()
+            return True
         for waiter in ready:
             waiter()
         return copied
@@ -308,3 +314,13 @@ class Inbox:
                 self._rx.release(msg)
             msg.state = DONE
             self._cond.notify_all()
+        if msg.on_done is not None:
+            msg.on_done()
+
+    def withdraw(self, msg: Message) -> bool:
+        """The sender gave up on a message: drop it unless the receiver has taken it."""
+        with self._cond:
+            if msg.state != PENDING:
+                return False
+            self._withdraw(msg)
+            return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Hashable, Protocol
 
 import numpy as np
@@ -23,7 +24,7 @@ class Message:
     """
 
     __slots__ = ("src", "key", "seq", "tag", "nbytes", "payload", "slots", "state",
-                 "eager", "tombstone")
+                 "eager", "tombstone", "on_done")
 
     def __init__(self, src: int, key: Hashable, seq: int, tag: int, payload: np.ndarray | None,
                  eager: bool, tombstone: bool = False) -> None:
@@ -34,6 +35,7 @@ class Message:
         self.state = PENDING
         self.eager = eager
         self.tombstone = tombstone
+        self.on_done: Callable[[], None] | None = None  # the receiver is done with it
 
 
 class SendRequest(Protocol):
