@@ -1,0 +1,7 @@
+"""`python -m aaccl ...` is the `aaccl` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,63 @@
+"""`aaccl launch`: start one rank per process with the installed mpiexec."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def find_mpiexec(explicit: str | None = None) -> str:
+    """The mpiexec to use: the one named, the one installed beside this Python (the
+    `mpich` wheel of `aaccl[mpi]`), or the first on PATH."""
+    if explicit:
+        return explicit
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if found is None:
+        raise SystemExit("aaccl launch: no mpiexec found: pip install 'aaccl[mpi]' "
+                         "(or name one with --mpiexec)")
+    return found
+
+
+def is_hydra(mpiexec: str) -> bool:
+    """MPICH's launcher (hydra) takes -f for hostfiles and -disable-auto-cleanup."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "HYDRA" in (out.stdout + out.stderr).upper()
+
+
+def command(mpiexec: str, nprocs: int, program: Sequence[str], hostfile: str | None,
+            hydra: bool) -> list[str]:
+    """The mpiexec command line that runs `program` (a script and its arguments, or
+    `-m module ...`) as `nprocs` ranks."""
+    cmd = [mpiexec, "-n", str(nprocs)]
+    if hostfile:
+        cmd += ["-f" if hydra else "--hostfile", hostfile]
+    if hydra:
+        # A rank that dies must not take its peers down before they can report
+        # which call failed; aaccl's timeouts make sure nobody waits forever.
+        cmd.append("-disable-auto-cleanup")
+    return cmd + [sys.executable, *program]
+
+
+def launch(nprocs: int, program: Sequence[str], hostfile: str | None = None,
+           mpiexec: str | None = None) -> int:
+    """Run the ranks; return the job's exit status (128 + signal if mpiexec was killed)."""
+    exe = find_mpiexec(mpiexec)
+    cmd = command(exe, nprocs, program, hostfile, is_hydra(exe))
+    proc = subprocess.Popen(cmd, env=os.environ.copy())
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait()
+    return 128 - code if code < 0 else code

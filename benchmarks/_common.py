@@ -1,0 +1,86 @@
+"""Helpers the benchmarks share: statistics, machine load, formatting, and running
+a benchmark's worker under mpiexec (rank 0 prints its results as one line of JSON)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from typing import Any
+
+MiB = 1 << 20
+
+
+def median(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+def spread(samples: list[float]) -> dict[str, float]:
+    return {"median": median(samples), "min": min(samples), "max": max(samples),
+            "n": len(samples)}
+
+
+def busy_cpus(seconds: float = 0.5) -> float | None:
+    """CPUs' worth of work other processes did over `seconds` (Linux; else None)."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    total = total1 - total0
+    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / total) if total else None
+
+
+def fmt_time(seconds: float | None) -> str:
+    if seconds is None:
+        return "n/a"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else "PASS" if ok else "FAIL"
+
+
+def mpi_env() -> dict[str, str]:
+    """The environment variables that tune MPICH and its transports."""
+    return {k: v for k, v in os.environ.items()
+            if k.startswith(("MPIR_CVAR", "MPICH", "HYDRA", "UCX", "FI_"))}
+
+
+def find_mpiexec(no_mpi: bool = False) -> tuple[str | None, str | None]:
+    """(mpiexec, None), or (None, why MPI cannot be used)."""
+    if no_mpi:
+        return None, "--no-mpi"
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        return None, "mpiexec not found on PATH"
+    if importlib.util.find_spec("mpi4py") is None:
+        return None, "mpi4py is not installed"
+    return mpiexec, None
+
+
+def run_mpiexec(cmd: list[str], timeout: float) -> dict[str, Any]:
+    """Run `cmd` (an mpiexec command line); the last JSON line it printed, or
+    {"error": why, "command": cmd}."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return {"error": f"mpiexec did not finish within {timeout} s", "command": cmd}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"error": f"mpiexec exited with {proc.returncode}: {' | '.join(tail)}",
+                "command": cmd}
+    return json.loads(lines[-1])
