@@ -28,21 +28,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import importlib.util
 import json
 import os
 import platform
-import shutil
-import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
 import numpy as np
 
+from _common import MiB, busy_cpus, find_mpiexec, fmt_time, mpi_env, run_mpiexec, spread, verdict
+
 RANKS = 4
-MiB = 1 << 20
 TARGET_SIZE_MIB = 64
 
 TARGETS = {
@@ -51,31 +48,6 @@ TARGETS = {
     "nop_round_trip": "median <= 20 us",
     "allreduce_small_vs_mpi": "aaccl time / MPICH time <= 1.0",
 }
-
-
-def _median(samples: list[float]) -> float:
-    return statistics.median(samples)
-
-
-def _spread(samples: list[float]) -> dict[str, float]:
-    return {"median": _median(samples), "min": min(samples), "max": max(samples),
-            "n": len(samples)}
-
-
-def _busy_cpus(seconds: float = 0.5) -> float | None:
-    """CPUs' worth of work other processes did over `seconds` (Linux; else None)."""
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
-    try:
-        total0, idle0 = sample()
-        time.sleep(seconds)
-        total1, idle1 = sample()
-    except (OSError, ValueError, IndexError):
-        return None
-    total = total1 - total0
-    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / total) if total else None
 
 
 # -- aaccl ----------------------------------------------------------------------------
@@ -112,13 +84,13 @@ async def _aaccl_bench(count: int, iters: int, warmup: int, small_iters: int,
             if not (dst[0] == expected and dst[-1] == expected and dst[count // 2] == expected):
                 raise AssertionError(f"aaccl allreduce gave {dst[[0, count // 2, -1]]}, "
                                      f"expected {expected}")
-        out["allreduce_large_s"] = _spread(large)
+        out["allreduce_large_s"] = spread(large)
 
         # (c) 4-byte allreduce, same buffers, count=1
         for _ in range(max(10, small_iters // 10)):
             await allreduce(1)
         small = [await allreduce(1) for _ in range(small_iters)]
-        out["allreduce_small_s"] = _spread(small)
+        out["allreduce_small_s"] = spread(small)
         start = time.perf_counter()  # informational: back to back, no gap between iterations
         for _ in range(small_iters):
             await asyncio.gather(*(a.allreduce(s, d, 1, ReduceFunction.SUM, from_fpga=True,
@@ -135,7 +107,7 @@ async def _aaccl_bench(count: int, iters: int, warmup: int, small_iters: int,
             start = time.perf_counter()
             await accl.nop()
             nops.append(time.perf_counter() - start)
-        out["nop_s"] = _spread(nops)
+        out["nop_s"] = spread(nops)
     return out
 
 
@@ -169,7 +141,7 @@ def run_numpy(count: int, iters: int, warmup: int) -> dict[str, Any]:
     times = [one_pass() for _ in range(iters)]
     del srcs, dsts
     gc.collect()
-    return {"allreduce_large_s": _spread(times)}
+    return {"allreduce_large_s": spread(times)}
 
 
 # -- MPI ----------------------------------------------------------------------------------
@@ -215,53 +187,28 @@ def mpi_worker(count: int, iters: int, warmup: int, small_iters: int) -> None:
         print(json.dumps({
             "size": comm.Get_size(), "library": MPI.Get_library_version().splitlines()[0],
             "correct": ok and bool(d1[0] == expected),
-            "allreduce_large_s": _spread(large), "allreduce_small_s": _spread(small),
+            "allreduce_large_s": spread(large), "allreduce_small_s": spread(small),
             "allreduce_small_back_to_back_s": elapsed / small_iters}), flush=True)
 
 
 def run_mpi(args: argparse.Namespace, count: int, iters: int, warmup: int,
             small_iters: int) -> dict[str, Any]:
     """Launch this script under mpiexec; {"error": why} if MPI is not available."""
-    mpiexec = shutil.which("mpiexec")
-    if args.no_mpi:
-        return {"error": "--no-mpi"}
+    mpiexec, why = find_mpiexec(args.no_mpi)
     if mpiexec is None:
-        return {"error": "mpiexec not found on PATH"}
-    if importlib.util.find_spec("mpi4py") is None:
-        return {"error": "mpi4py is not installed"}
+        return {"error": why}
     cmd = [mpiexec, "-n", str(RANKS), sys.executable, os.path.abspath(__file__),
            "--mpi-worker", "--count", str(count), "--iters", str(iters), "--warmup",
            str(warmup), "--small-iters", str(small_iters)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.mpi_timeout,
-                              stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return {"error": f"mpiexec did not finish within {args.mpi_timeout} s", "command": cmd}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {"error": f"mpiexec exited with {proc.returncode}: {' | '.join(tail)}",
-                "command": cmd}
-    result = json.loads(lines[-1])
+    result = run_mpiexec(cmd, args.mpi_timeout)
+    if "error" in result:
+        return result
     result["command"] = " ".join(cmd)
-    result["env"] = {k: v for k, v in os.environ.items()
-                     if k.startswith(("MPIR_CVAR", "MPICH", "HYDRA", "UCX", "FI_"))}
+    result["env"] = mpi_env()
     return result
 
 
 # -- report --------------------------------------------------------------------------------
-
-
-def _fmt_time(seconds: float | None) -> str:
-    if seconds is None:
-        return "n/a"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds * 1e6:.1f} us"
-
-
-def _verdict(ok: bool | None) -> str:
-    return "n/a" if ok is None else "PASS" if ok else "FAIL"
 
 
 def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -318,8 +265,8 @@ def print_table(results: dict[str, Any], verdicts: list[dict[str, Any]]) -> None
     def line(label: str, a: float | None, m: float | None, n: float | None,
              row: dict[str, Any] | None) -> None:
         tail = "" if row is None else f"{ratio(row):<20}{row['limit']:<10}" \
-            f"{_verdict(row['pass'])}{'' if row['binding'] else ' (info)'}"
-        cells = ["" if not label else _fmt_time(t) for t in (a, m, n)]
+            f"{verdict(row['pass'])}{'' if row['binding'] else ' (info)'}"
+        cells = ["" if not label else fmt_time(t) for t in (a, m, n)]
         print(f"{label:<36}{cells[0]:>11}{cells[1]:>11}{cells[2]:>11}   {tail}".rstrip())
 
     a_l, m_l, n_l = med(aac, "allreduce_large_s"), med(mpi, "allreduce_large_s"), \
@@ -396,7 +343,7 @@ def main() -> int:
               "small_iters": small_iters, "nop_iters": nop_iters, "ranks": RANKS,
               "cpus": os.cpu_count(), "python": platform.python_version(),
               "numpy": np.__version__, "quick": quick,
-              "busy_cpus_at_start": _busy_cpus()}
+              "busy_cpus_at_start": busy_cpus()}
     log = sys.stderr if args.json == "-" else sys.stdout
     print(f"numpy pass ({config['size_mib']:g} MiB)...", file=log, flush=True)
     npy = run_numpy(count, iters, warmup)

@@ -85,7 +85,7 @@ def test_reduce_scatter_and_max(size: int, count: int) -> None:
 @pytest.mark.parametrize("count", [0, 1, 13])
 def test_allgather_and_alltoall(size: int, count: int) -> None:
     x = inputs(size, count)
-    for r, b in enumerate(simulate(Scenario.ALLGATHER, size, count)):
+    for b in simulate(Scenario.ALLGATHER, size, count):
         np.testing.assert_array_equal(b[2], np.concatenate([xi[:count] for xi in x]))
     for r, b in enumerate(simulate(Scenario.ALLTOALL, size, count)):
         expected = np.concatenate([xi[r * count:(r + 1) * count] for xi in x])
@@ -97,7 +97,7 @@ def test_allgather_and_alltoall(size: int, count: int) -> None:
 def test_rooted(size: int, root_is_last: bool) -> None:
     count, root = 6, (size - 1 if root_is_last else 0)
     x = inputs(size, count)
-    for r, b in enumerate(simulate(Scenario.BCAST, size, count, root)):
+    for b in simulate(Scenario.BCAST, size, count, root):
         np.testing.assert_array_equal(b[0][:count], x[root][:count])
     for r, b in enumerate(simulate(Scenario.SCATTER, size, count, root)):
         np.testing.assert_array_equal(b[2][:count], x[root][r * count:(r + 1) * count])

@@ -66,7 +66,7 @@ def buffer(buf: Any, name: str, owner: object, elements: int) -> Buffer:
     alloc = buf._allocation
     if alloc is None or alloc.owner is not owner:
         raise ValueError(f"{name} belongs to another rank: allocate it on this ACCL")
-    buf.device_address  # raises for views that are not device memory
+    _ = buf.device_address  # raises for views that are not device memory
     if elements > buf.size:
         raise ValueError(f"{name} holds {buf.size} elements, the call needs {elements}")
     return buf

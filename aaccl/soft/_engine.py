@@ -22,7 +22,7 @@ import numpy as np
 from .. import _exchmem as xm
 from .._constants import ConfigFunction, ErrorCode, Scenario
 from ..devices import CallArgs
-from .algorithms import Copy, Incoming, Local, Reduce, Send, Step, schedule
+from .algorithms import Copy, Incoming, Local, Send, Step, schedule
 from .fabric import COMPLETED, Message, PeerTimeout, PostedRecv, RxPool, SendRequest
 from ._datapath import Datapath, UnsupportedConfig
 
