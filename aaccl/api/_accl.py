@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import numpy as np
@@ -21,7 +21,7 @@ Calls = Iterable[Call]
 
 def _head(buf: Buffer, elements: int) -> Buffer:
     """The first `elements` elements of a buffer, as a flat Buffer view."""
-    return buf.reshape(-1)[:elements]
+    return cast(Buffer, buf.reshape(-1)[:elements])
 
 
 class ACCL:
@@ -129,8 +129,9 @@ class ACCL:
         deps = check.waitfor(waitfor, self)
         for region in sync_in:
             region.sync_to_device()
-        addrs = tuple(0 if b is None else b.device_address for b in buffers)
-        device_call = self._driver.start(scenario, addrs=addrs, waitfor=[d._device for d in deps],
+        a0, a1, a2 = (0 if b is None else b.device_address for b in buffers)
+        device_call = self._driver.start(scenario, addrs=(a0, a1, a2),
+                                         waitfor=[d._device for d in deps],
                                          **call)
         self._ncalls += 1
         finish = None if sync_out is None else sync_out.sync_from_device

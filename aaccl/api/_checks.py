@@ -27,6 +27,7 @@ def dtype(value: Any) -> np.dtype:
 def index(value: Any, name: str, limit: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer, not {type(value).__name__}")
+    value = int(value)
     if not 0 <= value < limit:
         raise ValueError(f"{name} {value} is out of range: this communicator has {limit} ranks")
     return int(value)
@@ -35,6 +36,7 @@ def index(value: Any, name: str, limit: int) -> int:
 def count(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"count must be an integer, not {type(value).__name__}")
+    value = int(value)
     if value < 0:
         raise ValueError(f"count must not be negative, got {value}")
     if value >= 2**32:
@@ -45,6 +47,7 @@ def count(value: Any) -> int:
 def tag(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"tag must be an integer, not {type(value).__name__}")
+    value = int(value)
     if not 0 <= value <= TAG_ANY:
         raise ValueError(f"tag {value} is not a 32-bit unsigned integer")
     return int(value)

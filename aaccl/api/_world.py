@@ -74,8 +74,8 @@ async def open_world(world_size: int | None = None, *, device: str = "soft",
     """
     _check_options(world_size, device, fabric, nbufs, bufsize, timeout)
     if fabric == "mpi" or (fabric == "auto" and mpi_launched()):
-        async with _mpi_world(world_size, nbufs, bufsize, timeout) as accls:
-            yield accls
+        async with _mpi_world(world_size, nbufs, bufsize, timeout) as mine:
+            yield mine
         return
     assert world_size is not None
     inprocess = InProcessFabric(world_size)

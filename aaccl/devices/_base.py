@@ -13,7 +13,7 @@ class CallArgs(NamedTuple):
     """The CCLO's 12 call arguments, in ACCL's order."""
 
     scenario: int
-    count: int
+    count: int  # type: ignore[assignment]  # ACCL's name, though it hides tuple.count
     comm: int
     root_src_dst: int
     function: int

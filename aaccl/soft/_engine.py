@@ -23,7 +23,7 @@ from .. import _exchmem as xm
 from .._constants import ConfigFunction, ErrorCode, Scenario
 from ..devices import CallArgs
 from .algorithms import Copy, Incoming, Local, Send, Step, schedule
-from .fabric import COMPLETED, Message, PeerTimeout, PostedRecv, RxPool, SendRequest
+from .fabric import COMPLETED, Key, Message, PeerTimeout, PostedRecv, RxPool, SendRequest
 from ._datapath import Datapath, UnsupportedConfig
 
 if TYPE_CHECKING:
@@ -291,9 +291,10 @@ class _RecvTask(Task):
             except PeerTimeout:
                 raise CallFailed(ErrorCode.RECEIVE_TIMEOUT_ERROR) from None
         else:
-            msg = dev.inbox.take_posted_nowait(self.key, self.src, self.posted, resume)
-            if msg is None:
+            waiting = dev.inbox.take_posted_nowait(self.key, self.src, self.posted, resume)
+            if waiting is None:
                 raise Park
+            msg = waiting
         self.taken = True
         try:
             data = dev.inbox.data(msg)
@@ -380,7 +381,7 @@ class _Run(Task):
 
     def timed_out(self) -> bool:
         parked, self.parked = self.parked, None
-        return parked is not None and self.dev.inbox.unpark_step(
+        return parked is not None and self.comm is not None and self.dev.inbox.unpark_step(
             self.comm.sessions[parked.peer], self._key(parked.tag))
 
     def finish(self, failed: bool) -> None:
@@ -453,7 +454,7 @@ class _Run(Task):
             return np.empty(0, self.path.dtype)
         return view[loc.offset:loc.offset + count]
 
-    def _key(self, tag: int) -> Hashable:
+    def _key(self, tag: int) -> Key:
         assert self.comm is not None
         return ("coll", self.comm.key, self.seq, self.args.scenario, tag)
 

@@ -3,7 +3,7 @@
 from ._inbox import Inbox, PostedRecv, RxPool
 from ._inprocess import InProcessFabric, InProcessPort
 from ._mpi import MPIFabric
-from ._message import COMPLETED, Message, PeerTimeout, Port, SendRequest
+from ._message import COMPLETED, Key, Message, PeerTimeout, Port, SendRequest
 
-__all__ = ["COMPLETED", "InProcessFabric", "MPIFabric", "InProcessPort", "Inbox", "Message", "PeerTimeout", "Port",
-           "PostedRecv", "RxPool", "SendRequest"]
+__all__ = ["COMPLETED", "InProcessFabric", "InProcessPort", "Inbox", "Key", "MPIFabric", "Message",
+           "PeerTimeout", "Port", "PostedRecv", "RxPool", "SendRequest"]

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 import numpy as np
 
 from ..._constants import TAG_ANY
-from ._message import DONE, PENDING, TAKEN, WITHDRAWN, Message, PeerTimeout
+from ._message import DONE, PENDING, TAKEN, WITHDRAWN, Key, Message, PeerTimeout
 
 
 def tags_match(a: int, b: int) -> bool:
@@ -112,10 +112,10 @@ class Inbox:
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
-        self._streams: dict[Hashable, _Stream] = {}
-        self._steps: dict[tuple[int, Hashable], Message] = {}
-        self._step_waiters: dict[tuple[int, Hashable], Waiter] = {}
-        self._abandoned: set[Hashable] = set()  # ("coll", comm, seq) of collectives that gave up
+        self._streams: dict[tuple[Key, int], _Stream] = {}
+        self._steps: dict[tuple[int, Key], Message] = {}
+        self._step_waiters: dict[tuple[int, Key], Waiter] = {}
+        self._abandoned: set[Key] = set()  # ("coll", comm, seq) of collectives that gave up
         self._rx: RxPool | None = None
 
     def set_rx_pool(self, pool: RxPool | None) -> None:
@@ -190,7 +190,7 @@ class Inbox:
 
     # -- receiver side ------------------------------------------------------------
 
-    def abandon_steps(self, prefix: Hashable) -> None:
+    def abandon_steps(self, prefix: Key) -> None:
         """A collective (steps keyed `prefix + (scenario, tag)`) failed or never ran
         here: free its eager messages' rx buffers, now and as they arrive."""
         with self._cond:
@@ -202,20 +202,20 @@ class Inbox:
                     self._rx.release(msg)
                 msg.state = DONE
 
-    def _stream(self, key: Hashable, src: int) -> _Stream:
+    def _stream(self, key: Key, src: int) -> _Stream:
         stream = self._streams.get((key, src))
         if stream is None:
             stream = self._streams[(key, src)] = _Stream()
         return stream
 
-    def post(self, key: Hashable, src: int, tag: int) -> PostedRecv:
+    def post(self, key: Key, src: int, tag: int) -> PostedRecv:
         """Post a point-to-point receive; its place in the order is fixed now."""
         recv = PostedRecv(tag)
         with self._cond:
             self._stream(key, src).posted.append(recv)
         return recv
 
-    def cancel(self, key: Hashable, src: int, recv: PostedRecv) -> None:
+    def cancel(self, key: Key, src: int, recv: PostedRecv) -> None:
         ready: list[Waiter] = []
         with self._cond:
             if recv.active:
@@ -227,7 +227,7 @@ class Inbox:
         for waiter in ready:
             waiter()
 
-    def take_posted(self, key: Hashable, src: int, recv: PostedRecv, deadline: float) -> Message:
+    def take_posted(self, key: Key, src: int, recv: PostedRecv, deadline: float) -> Message:
         stream = self._stream(key, src)
         ready: list[Waiter] = []
         with self._cond:
@@ -249,7 +249,7 @@ class Inbox:
             waiter()
         return msg
 
-    def take_posted_nowait(self, key: Hashable, src: int, recv: PostedRecv,
+    def take_posted_nowait(self, key: Key, src: int, recv: PostedRecv,
                            waiter: Waiter) -> Message | None:
         """Take recv's message if it is here; otherwise park: `waiter` fires once it is."""
         stream = self._stream(key, src)
@@ -267,7 +267,7 @@ class Inbox:
             other()
         return msg
 
-    def unpark_posted(self, key: Hashable, src: int, recv: PostedRecv) -> bool:
+    def unpark_posted(self, key: Key, src: int, recv: PostedRecv) -> bool:
         """Give up a parked receive (it timed out); False if its waiter already fired."""
         with self._cond:
             if recv.waiter is None:
@@ -276,7 +276,7 @@ class Inbox:
         self.cancel(key, src, recv)
         return True
 
-    def take_step_nowait(self, src: int, key: Hashable, waiter: Waiter) -> Message | None:
+    def take_step_nowait(self, src: int, key: Key, waiter: Waiter) -> Message | None:
         """Take a collective step's message if it is here; otherwise park."""
         with self._cond:
             msg = self._steps.pop((src, key), None)
@@ -286,12 +286,12 @@ class Inbox:
             msg.state = TAKEN
         return msg
 
-    def unpark_step(self, src: int, key: Hashable) -> bool:
+    def unpark_step(self, src: int, key: Key) -> bool:
         """Give up a parked step (it timed out); False if its waiter already fired."""
         with self._cond:
             return self._step_waiters.pop((src, key), None) is not None
 
-    def take_step(self, src: int, key: Hashable, deadline: float) -> Message:
+    def take_step(self, src: int, key: Key, deadline: float) -> Message:
         with self._cond:
             while (msg := self._steps.pop((src, key), None)) is None:
                 remaining = deadline - time.monotonic()

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Hashable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 PENDING, TAKEN, DONE, WITHDRAWN = range(4)
+
+Key = tuple[Any, ...]
+"""A message's matching key: ("p2p", comm) or ("coll", comm, seq, scenario, tag)."""
 
 
 class PeerTimeout(Exception):
@@ -26,7 +29,7 @@ class Message:
     __slots__ = ("src", "key", "seq", "tag", "nbytes", "payload", "slots", "state",
                  "eager", "tombstone", "on_done")
 
-    def __init__(self, src: int, key: Hashable, seq: int, tag: int, payload: np.ndarray | None,
+    def __init__(self, src: int, key: Key, seq: int, tag: int, payload: np.ndarray | None,
                  eager: bool, tombstone: bool = False) -> None:
         self.src, self.key, self.seq, self.tag = src, key, seq, tag
         self.payload = payload

@@ -135,12 +135,15 @@ class MPIFabric:
             if nbytes:
                 self.comm.Recv([payload, nbytes, _BYTE()], src, _payload_tag(msg_id))
         msg = Message(src, key, seq, tag, payload, eager, tombstone)
-        if not tombstone and (eager and nbytes or not eager):
-            msg.on_done = lambda: self._send_obj(msg_id, src, ACK)
-        if not eager and not tombstone:
-            self._incoming[(src, msg_id)] = msg
-            done = msg.on_done
-            msg.on_done = lambda: (self._incoming.pop((src, msg_id), None), done())
+        if not tombstone and (nbytes or not eager):  # the sender waits for our ack
+
+            def acknowledge() -> None:
+                self._incoming.pop((src, msg_id), None)
+                self._send_obj(msg_id, src, ACK)
+
+            msg.on_done = acknowledge
+            if not eager:  # the sender may withdraw it until we take it
+                self._incoming[(src, msg_id)] = msg
         self.inbox.deliver(msg)
 
     def _acked(self, msg_id: int) -> None:
