@@ -26,3 +26,7 @@ class DependencyError(ACCLError):
     """The call never ran because a call in its `waitfor` did not succeed."""
 
 
+
+
+for _error in (ACCLError, CCLOError, DependencyError):
+    _error.__module__ = "aaccl"  # tracebacks name the public path

@@ -18,6 +18,13 @@ def test_command_for_hydra_keeps_survivors_alive() -> None:
                    sys.executable, "app.py", "--flag"]
 
 
+def test_command_on_one_machine_gives_each_rank_its_own_proxy() -> None:
+    cmd = command("mpiexec", 3, ["app.py"], None, hydra=True)
+    assert cmd == ["mpiexec", "-n", "3", "-disable-auto-cleanup", "-launcher", "fork",
+                   "-hosts", "127.0.0.1,127.0.0.2,127.0.0.3", "-ppn", "1",
+                   sys.executable, "app.py"]
+
+
 def test_command_for_other_launchers() -> None:
     cmd = command("mpirun", 2, ["-m", "pkg.app"], "hosts", hydra=False)
     assert cmd == ["mpirun", "-n", "2", "--hostfile", "hosts", sys.executable, "-m", "pkg.app"]

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -33,6 +35,11 @@ _MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOC
 def mpi_launched() -> bool:
     """True in a process that mpiexec/mpirun started as part of a multi-process job."""
     return any(int(os.environ.get(name, "1")) > 1 for name in _MPI_SIZE_VARIABLES[:2])
+
+
+def _started_by_mpiexec() -> bool:
+    """True under mpiexec/mpirun, even in a job of one process."""
+    return any(name in os.environ for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
 
 
 def _check_options(world_size: Any, device: str, fabric: str, nbufs: Any, bufsize: Any,
@@ -73,11 +80,13 @@ async def open_world(world_size: int | None = None, *, device: str = "soft",
     the devices.
     """
     _check_options(world_size, device, fabric, nbufs, bufsize, timeout)
-    if fabric == "mpi" or (fabric == "auto" and mpi_launched()):
+    if fabric == "mpi" or (fabric == "auto" and (
+            mpi_launched() or (world_size is None and _started_by_mpiexec()))):
         async with _mpi_world(world_size, nbufs, bufsize, timeout) as mine:
             yield mine
         return
-    assert world_size is not None
+    if world_size is None:
+        raise ValueError("world_size is needed outside mpiexec (ranks as tasks of this process)")
     inprocess = InProcessFabric(world_size)
     ranks = _ranks(world_size, bufsize)
     accls: list[ACCL] = []
@@ -105,6 +114,17 @@ async def _open(dev: SoftDevice, rank: int, ranks: list[xm.RankRecord], nbufs: i
 @asynccontextmanager
 async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int,
                      timeout: float) -> AsyncIterator[list[ACCL]]:
+    if "mpi4py.MPI" not in sys.modules:
+        # MPICH's MPI_Finalize (run by mpi4py at exit) waits for every process of the
+        # job; after a peer died it never returns, so a rank that reported its
+        # RECEIVE_TIMEOUT_ERROR would hang at exit. Closing a world is collective
+        # already: let finalize skip its barrier (set it to 0 to keep MPICH's default).
+        os.environ.setdefault("MPIR_CVAR_NO_COLLECTIVE_FINALIZE", "1")
+    if threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL:
+        # Hydra signals the survivors of a rank that died with SIGUSR1, whose default
+        # action kills them silently: let them live to report their timeouts instead.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         from mpi4py import MPI
     except ImportError:

@@ -44,8 +44,13 @@ def command(mpiexec: str, nprocs: int, program: Sequence[str], hostfile: str | N
         cmd += ["-f" if hydra else "--hostfile", hostfile]
     if hydra:
         # A rank that dies must not take its peers down before they can report
-        # which call failed; aaccl's timeouts make sure nobody waits forever.
+        # which call failed; aaccl's timeouts make sure nobody waits forever. Hydra's
+        # proxy kills every rank it runs when one dies of a signal, so on this
+        # machine each rank gets a proxy of its own (one "host" per loopback address).
         cmd.append("-disable-auto-cleanup")
+        if not hostfile:
+            hosts = ",".join(f"127.0.0.{i + 1}" for i in range(nprocs))
+            cmd += ["-launcher", "fork", "-hosts", hosts, "-ppn", "1"]
     return cmd + [sys.executable, *program]
 
 
