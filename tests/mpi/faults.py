@@ -1,0 +1,99 @@
+"""Faults over the MPI fabric: a rank that dies, ranks that disagree, a rank that quits.
+
+    mpiexec [-disable-auto-cleanup ...] -n N python tests/mpi/faults.py SUITE timeout=1.0
+
+Suites (all of them end with a non-zero exit status on purpose):
+  kill      the last rank SIGKILLs itself right after submitting a large allreduce, in
+            the middle of a sequence of collectives; the survivors' pending collective
+            must fail with RECEIVE_TIMEOUT_ERROR within about the timeout.
+  mismatch  rank 0 calls bcast while the others call allreduce (of COUNT elements, or
+            $AACCL_TEST_COUNT): nobody waits forever.
+  quit      rank 1's code raises in the middle of the sequence; the others time out.
+
+Every rank whose call fails prints one FAULT_MARK line (which call, after how long,
+the error) before the harness reports the failure and exits 1.
+
+Under `mpiexec -disable-auto-cleanup`, MPICH's launcher (hydra) may tell the other
+processes of a proxy that one of them left without MPI_Finalize by sending them
+SIGUSR1, whose default action kills them silently: these ranks ignore it, and learn
+of the death through aaccl's timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+from _harness import Checks, rank_of_process, run_suite, say
+
+import aaccl
+from aaccl import CCLOError, ReduceFunction
+
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+FAULT_MARK = "aaccl-mpi-fault"
+ROUNDS, FAULTY_ROUND = 12, 6
+COUNT = 5000  # past the eager threshold of the default world (4 KiB): multi-step
+
+
+async def reported(name: str, call: aaccl.Call) -> None:
+    """Await `call`; if it fails, print what failed after how long, and re-raise."""
+    started = time.monotonic()
+    try:
+        await call
+    except Exception as exc:
+        kind = type(exc).__name__
+        if isinstance(exc, CCLOError):
+            kind += ":" + "|".join(exc.code.names())
+        say(f"{FAULT_MARK} rank={rank_of_process()} after={time.monotonic() - started:.2f} "
+            f"error={kind} call=[{name}]: {exc}")
+        raise
+
+
+async def sequence(checks: Checks, accl: aaccl.ACCL, fault: str) -> None:
+    """Rounds of different collectives, checked against numpy; `fault` strikes in
+    round FAULTY_ROUND."""
+    size, rank = accl.size, accl.rank
+    src, dst = accl.allocate(COUNT, np.float32), accl.allocate(COUNT * size, np.float32)
+    for i in range(ROUNDS):
+        src[:] = rank + i
+        if i == FAULTY_ROUND and fault == "kill" and rank == size - 1:
+            accl.allreduce(src, dst, COUNT, ReduceFunction.SUM)  # in flight on the device
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if i == FAULTY_ROUND and fault == "quit" and rank == 1:
+            raise RuntimeError(f"rank {rank}'s own code gave up in round {i}")
+        await reported(f"allreduce of round {i}",
+                       accl.allreduce(src, dst, COUNT, ReduceFunction.SUM))
+        np.testing.assert_array_equal(dst[:COUNT], sum(range(size)) + size * i)
+        await reported(f"bcast of round {i}", accl.bcast(src, 100, i % size))
+        np.testing.assert_array_equal(src[:100], i % size + i)
+        await reported(f"allgather of round {i}", accl.allgather(src, dst, 10))
+        await reported(f"barrier of round {i}", accl.barrier())
+        checks(3)
+
+
+async def kill(checks: Checks, accl: aaccl.ACCL) -> None:
+    await sequence(checks, accl, "kill")
+
+
+async def quit_(checks: Checks, accl: aaccl.ACCL) -> None:
+    await sequence(checks, accl, "quit")
+
+
+async def mismatch(checks: Checks, accl: aaccl.ACCL) -> None:
+    count = int(os.environ.get("AACCL_TEST_COUNT", COUNT))
+    src, dst = accl.allocate(count, np.float32), accl.allocate(count, np.float32)
+    await reported("barrier", accl.barrier())  # everyone is here and working
+    if accl.rank == 0:
+        await reported("bcast", accl.bcast(src, count, 0))
+    else:
+        await reported("allreduce", accl.allreduce(src, dst, count, ReduceFunction.SUM))
+    checks()
+
+
+if __name__ == "__main__":
+    run_suite({"kill": kill, "quit": quit_, "mismatch": mismatch})

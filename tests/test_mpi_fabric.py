@@ -1,0 +1,285 @@
+"""The MPI fabric as real processes: `mpiexec -n N python tests/mpi/<worker>.py SUITE`.
+
+Each launch runs one suite of a worker script on N ranks, one per process, through
+`aaccl.run` with no world_size (the MPI fabric). The workers check every result
+against numpy themselves (with the in-process tests' references) and exit non-zero
+with a clear message on any mismatch, so here we assert on exit codes and output.
+A launch does hundreds of checks: starting N processes costs about half a second.
+
+Faults: a rank SIGKILLed in the middle of a collective, ranks calling different
+collectives, a rank whose own code raises. Nothing may hang: every launch has a hard
+time limit, past which its whole process tree is killed and the test fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import aaccl
+
+pytest.importorskip("mpi4py")  # the package only: MPI itself starts in the workers
+
+WORKERS = Path(__file__).resolve().parent / "mpi"
+ROOT = Path(__file__).resolve().parents[1]
+HARD_LIMIT = 120.0  # seconds any launch may take before its processes are killed
+FAULT_LIMIT = 60.0
+TIMEOUT = 1.0  # aaccl's timeout in the fault scenarios
+
+
+def _mpiexec() -> str | None:
+    """The mpiexec beside this Python (the `mpich` wheel), else the first on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+MPIEXEC = _mpiexec()
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install 'aaccl[mpi]')")
+
+
+@functools.cache
+def _is_hydra() -> bool:
+    assert MPIEXEC is not None
+    out = subprocess.run([MPIEXEC, "--version"], check=False, capture_output=True, text=True, timeout=30)
+    return "HYDRA" in (out.stdout + out.stderr).upper()
+
+
+needs_hydra = pytest.mark.skipif(MPIEXEC is None or not _is_hydra(),
+                                 reason="needs MPICH's mpiexec (hydra) options")
+
+
+# -- launching --------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    cmd: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    def explain(self) -> str:
+        def tail(text: str) -> str:
+            return text if len(text) < 6000 else "...\n" + text[-6000:]
+
+        return (f"\n$ {' '.join(self.cmd)}\nexit status {self.returncode} after "
+                f"{self.seconds:.1f} s\n--- stdout\n{tail(self.stdout)}\n--- stderr\n"
+                f"{tail(self.stderr)}")
+
+    def oks(self) -> dict[int, int]:
+        """rank -> checks, from the ranks that reported success."""
+        return {int(rank): int(checks) for rank, checks in re.findall(
+            r"aaccl-mpi-ok suite=\w+ rank=(\d+) size=\d+ checks=(\d+)", self.stdout)}
+
+    def faults(self) -> dict[int, tuple[float, str, str]]:
+        """rank -> (seconds its call waited, error kind, call), from FAULT lines."""
+        return {int(rank): (float(after), kind, call) for rank, after, kind, call in re.findall(
+            r"aaccl-mpi-fault rank=(\d+) after=(\d+\.\d\d) error=(\S+) call=\[([^\]]*)\]",
+            self.stdout)}
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (hydra puts ranks in sessions of their own, so a
+    process group does not reach them)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    victims = _descendants(pid) if os.path.isdir("/proc") else []
+    for victim in [pid, *victims]:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)  # mpiexec leads a session of its own
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def launch(nprocs: int, worker: str, suite: str, *options: str,
+           mpiexec_options: tuple[str, ...] = (), env: dict[str, str] | None = None,
+           limit: float = HARD_LIMIT) -> Job:
+    """Run `worker` SUITE on `nprocs` ranks; kill everything after `limit` seconds."""
+    assert MPIEXEC is not None
+    cmd = [MPIEXEC, *mpiexec_options, "-n", str(nprocs), sys.executable,
+           str(WORKERS / worker), suite, *options]
+    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(paths),
+                   "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=environment, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc.pid)
+        out, err = proc.communicate()
+        job = Job(cmd, proc.returncode, out, err, time.monotonic() - started)
+        pytest.fail(f"the job did not end within {limit} s: it hangs{job.explain()}")
+    return Job(cmd, proc.returncode, out, err, time.monotonic() - started)
+
+
+def assert_passed(job: Job, nprocs: int) -> None:
+    assert job.returncode == 0, job.explain()
+    oks = job.oks()
+    assert sorted(oks) == list(range(nprocs)), f"not every rank reported success{job.explain()}"
+    assert all(checks > 0 for checks in oks.values()), job.explain()
+
+
+def test_world_size_is_needed_outside_mpiexec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without mpiexec, run(main) with no world_size says what is missing (under
+    `mpiexec -n 1` it runs a world of one process: test_every_collective[1])."""
+    for name in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                 "PMIX_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+    async def main(accl: object) -> None:
+        raise AssertionError("no rank should run")
+
+    with pytest.raises(ValueError, match="world_size"):
+        aaccl.run(main)
+
+
+# -- every operation, every dtype, both backends ------------------------------------------
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+def test_every_collective(nprocs: int) -> None:
+    """All collectives x all dtypes x counts 0, 1, 7, 301, 1031 x first and last root x
+    SUM/MAX; device-resident data; in place; 70 000-element allreduce; barrier;
+    copy/combine; a send/recv ring. world_size is omitted, or equal to the job's."""
+    options = ("world_size=4",) if nprocs == 4 else ()
+    assert_passed(launch(nprocs, "collectives.py", "all", *options), nprocs)
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_small_rx_buffers(nprocs: int) -> None:
+    """4 rx buffers of 64 bytes: segmented eager messages and rendezvous."""
+    assert_passed(launch(nprocs, "collectives.py", "small", "nbufs=4", "bufsize=64"), nprocs)
+
+
+@pytest.mark.parametrize(("nprocs", "worker", "suite", "options"), [
+    (2, "collectives.py", "all", ()),
+    (3, "collectives.py", "small", ("nbufs=4", "bufsize=64")),
+    (4, "features.py", "chains", ()),
+    (2, "features.py", "p2p", ("nbufs=16", "bufsize=256", "timeout=1.0")),
+], ids=["all-2", "small-3", "chains-4", "p2p-2"])
+def test_trio_backend(nprocs: int, worker: str, suite: str, options: tuple[str, ...]) -> None:
+    assert_passed(launch(nprocs, worker, suite, "backend=trio", *options), nprocs)
+
+
+# -- protocol and matching ----------------------------------------------------------------
+
+@pytest.mark.parametrize(("nprocs", "nbufs", "bufsize"), [(2, 16, 256), (3, 16, 256), (2, 8, 8192)],
+                         ids=["2", "3", "2-large-eager"])
+def test_point_to_point(nprocs: int, nbufs: int, bufsize: int) -> None:
+    """Eager, segmented and rendezvous in every dtype; eager sends done before their
+    receive is posted; tags, TAG_ANY and in-order matching; a receive that times out
+    (RECEIVE_TIMEOUT_ERROR) and a rank that stays usable; a withdrawn rendezvous
+    send; compression on the wire; send to self. With 8 KiB rx buffers, eager
+    messages are large enough for MPI to read them from the sender's memory after
+    the send has completed: the fabric must have copied them."""
+    assert_passed(launch(nprocs, "features.py", "p2p", f"nbufs={nbufs}", f"bufsize={bufsize}",
+                         "timeout=1.0"), nprocs)
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_flow_control(nprocs: int) -> None:
+    """Two 64-byte rx buffers: sends past the receiver's share wait for it, blocked
+    sends do not hold up other peers, and everything arrives in order."""
+    assert_passed(launch(nprocs, "features.py", "flow", "nbufs=2", "bufsize=64", "timeout=5.0"),
+                  nprocs)
+
+
+@pytest.mark.parametrize("suite", ["communicators", "chains", "compression"])
+def test_four_ranks(suite: str) -> None:
+    """Sub-communicators; waitfor chains with from_fpga/to_fpga; float16 compression."""
+    assert_passed(launch(4, "features.py", suite), 4)
+
+
+# -- faults -------------------------------------------------------------------------------
+
+def assert_timed_out(job: Job, ranks: list[int]) -> None:
+    """Each of `ranks` reported a call that failed with RECEIVE_TIMEOUT_ERROR after
+    about the timeout; the job failed and ended."""
+    assert job.returncode != 0, f"the job succeeded{job.explain()}"
+    assert not job.oks(), job.explain()
+    faults = job.faults()
+    for rank in ranks:
+        assert rank in faults, f"rank {rank} reported no failed call{job.explain()}"
+        waited, kind, call = faults[rank]
+        assert kind == "CCLOError:RECEIVE_TIMEOUT_ERROR", f"rank {rank}: {kind}{job.explain()}"
+        assert TIMEOUT * 0.9 <= waited <= TIMEOUT * 3, \
+            f"rank {rank}'s {call} failed after {waited} s{job.explain()}"
+    assert job.seconds < 20, f"the failed job took {job.seconds:.1f} s to end{job.explain()}"
+
+
+@needs_hydra
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_killed_rank_survivors_fail_with_receive_timeout(nprocs: int) -> None:
+    """The last rank SIGKILLs itself in the middle of a collective; the others fail
+    with RECEIVE_TIMEOUT_ERROR within about the timeout, say which call failed, and
+    exit non-zero: nothing hangs (not even MPI_Finalize, which waits for the dead rank
+    unless aaccl lets it skip its barrier).
+
+    hydra kills every rank of a proxy as soon as one of them dies of a signal, even
+    with -disable-auto-cleanup; one proxy per rank (as on separate machines) leaves
+    the survivors running, and -disable-auto-cleanup keeps hydra from killing them."""
+    hosts = ",".join(f"127.0.0.{i + 1}" for i in range(nprocs))
+    job = launch(nprocs, "faults.py", "kill", f"timeout={TIMEOUT}", limit=FAULT_LIMIT,
+                 mpiexec_options=("-disable-auto-cleanup", "-launcher", "fork",
+                                  "-hosts", hosts, "-ppn", "1"))
+    assert_timed_out(job, list(range(nprocs - 1)))
+    assert nprocs - 1 not in job.faults(), job.explain()
+
+
+def test_killed_rank_with_default_cleanup_ends_the_job() -> None:
+    """Plain mpiexec: the launcher kills the whole job when a rank dies, at once."""
+    job = launch(3, "faults.py", "kill", f"timeout={TIMEOUT}", limit=FAULT_LIMIT)
+    assert job.returncode != 0, job.explain()
+    assert not job.oks(), job.explain()
+    assert job.seconds < 20, job.explain()
+
+
+@pytest.mark.parametrize("count", [5000, 10], ids=["rendezvous", "eager"])
+def test_mismatched_collectives_fail_instead_of_deadlocking(count: int) -> None:
+    """Rank 0 calls bcast, the others allreduce. A large bcast's root waits for its
+    receivers and times out too; a small (eager) one completes, and rank 0 then fails
+    for want of the others when the world closes."""
+    job = launch(3, "faults.py", "mismatch", f"timeout={TIMEOUT}", limit=FAULT_LIMIT,
+                 env={"AACCL_TEST_COUNT": str(count)})
+    assert_timed_out(job, [0, 1, 2] if count > 1024 else [1, 2])
+    if count <= 1024:
+        assert re.search(r"ACCLError: not every rank finished within \S+ s of rank 0",
+                         job.stderr), job.explain()
+
+
+def test_a_rank_that_raises_makes_the_others_time_out() -> None:
+    job = launch(3, "faults.py", "quit", f"timeout={TIMEOUT}", limit=FAULT_LIMIT)
+    assert_timed_out(job, [0, 2])
+    assert "RuntimeError: rank 1's own code gave up" in job.stderr, job.explain()
