@@ -10,6 +10,7 @@ it resumes them. Nothing a caller's thread runs here ever blocks.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -24,6 +25,8 @@ from ._engine import CallFailed, Engine, Escalate, Park, Task
 from ._progress import WATCHDOG, trampoline
 from ._memory import DeviceMemory
 from .fabric import Inbox, Port
+
+log = logging.getLogger("aaccl")
 
 MAX_WORKERS = 64
 """Calls one soft CCLO runs at once; a call waiting for a peer holds a worker."""
@@ -143,17 +146,26 @@ class SoftDevice:
             self._to_worker(call, task)
             return
         except CallFailed as failed:
-            task.finish(True)
-            self._complete(call, int(failed.code))
+            self._fail(call, task, int(failed.code))
+            return
+        except Exception:  # a bug in the model must fail the call, never leave it hanging
+            log.exception("soft CCLO %d: internal error in %s", self.session,
+                          Scenario(call.args.scenario).name.lower())
+            self._fail(call, task, int(ErrorCode.DMA_INTERNAL_ERROR))
             return
         task.finish(False)
         self._complete(call, 0)
 
+    def _fail(self, call: DeviceCall, task: Task, retcode: int) -> None:
+        try:
+            task.finish(True)
+        finally:
+            self._complete(call, retcode)
+
     def _expire(self, call: DeviceCall, task: Task) -> None:
         """A parked task's peer did not come in time (on the watchdog's thread)."""
         if task.timed_out():
-            task.finish(True)
-            self._complete(call, int(ErrorCode.RECEIVE_TIMEOUT_ERROR))
+            self._fail(call, task, int(ErrorCode.RECEIVE_TIMEOUT_ERROR))
 
     def _complete(self, call: DeviceCall, retcode: int) -> None:
         self.exchmem[xm.RETCODE // 4] = retcode
