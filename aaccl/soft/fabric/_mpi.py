@@ -32,8 +32,10 @@ PAYLOAD_TAGS = 1 << 20
 
 IDLE_SLEEP = 0.0002
 SPIN = 0.0005
-"""The progress thread polls without sleeping for SPIN seconds after the last message,
-then naps IDLE_SLEEP between polls, leaving the cores to compute."""
+"""For SPIN seconds after the last message the progress thread polls with only a
+sleep(0) between polls (a loop without any sleep would keep the GIL, for up to the
+interpreter's 5 ms switch interval, from the threads a message has just woken); then
+it naps IDLE_SLEEP between polls, leaving the cores to compute."""
 
 
 def _payload_tag(msg_id: int) -> int:
@@ -105,11 +107,13 @@ class MPIFabric:
         status = MPI.Status()
         last = time.monotonic()
         while not self._closed:
-            message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            # MPICH's Improbe matches what it has already taken in, then makes
+            # progress: a message that came during a nap is found by a second probe
+            message = (self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+                       or self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status))
             if message is None:
                 self._reap()
-                if time.monotonic() - last > SPIN:
-                    time.sleep(IDLE_SLEEP)
+                time.sleep(IDLE_SLEEP if time.monotonic() - last > SPIN else 0)
                 continue
             last = time.monotonic()
             if len(self._in_flight) > 64:
