@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -38,6 +39,35 @@ def busy_cpus(seconds: float = 0.5) -> float | None:
         return None
     total = total1 - total0
     return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / total) if total else None
+
+
+class OtherLoad:
+    """CPUs' worth of work that processes other than this one and its children did
+    between construction and `cpus()` (Linux; else None): load that skews timings."""
+
+    def __init__(self) -> None:
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        hz = os.sysconf("SC_CLK_TCK")
+        busy = (sum(fields) - fields[3] - fields[4]) / hz  # all but idle and iowait
+        me, children = resource.getrusage(resource.RUSAGE_SELF), \
+            resource.getrusage(resource.RUSAGE_CHILDREN)
+        mine = me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+        return time.monotonic(), busy, mine
+
+    def cpus(self) -> float | None:
+        end = self._sample()
+        if self._start is None or end is None or end[0] <= self._start[0]:
+            return None
+        (t0, busy0, mine0), (t1, busy1, mine1) = self._start, end
+        return max(0.0, (busy1 - busy0) - (mine1 - mine0)) / (t1 - t0)
 
 
 def fmt_time(seconds: float | None) -> str:
@@ -75,7 +105,7 @@ def run_mpiexec(cmd: list[str], timeout: float) -> dict[str, Any]:
     {"error": why, "command": cmd}."""
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
+                              stdin=subprocess.DEVNULL, check=False)
     except subprocess.TimeoutExpired:
         return {"error": f"mpiexec did not finish within {timeout} s", "command": cmd}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]

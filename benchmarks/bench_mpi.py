@@ -1,0 +1,386 @@
+"""The MPI-fabric target of DESIGN.md: aaccl over MPI against raw mpi4py, in one run.
+
+    python benchmarks/bench_mpi.py              # full run: 2 and 4 processes, 4 B and 16 MiB
+    python benchmarks/bench_mpi.py --quick      # 4 MiB and fewer iterations, a CI smoke test
+    python benchmarks/bench_mpi.py --json -     # machine-readable results on stdout
+
+For each process count (`--procs`, default 2 and 4) the script runs itself under
+`mpiexec -n N ... --mpi-worker`. Every worker process measures, in the same processes:
+
+- raw MPI: mpi4py's `Comm.Allreduce` (SUM) of float32 numpy arrays;
+- aaccl over the MPI fabric (`aaccl.open_world()` under mpiexec: one rank per process),
+  `allreduce(..., ReduceFunction.SUM)` on device-resident buffers (from_fpga=True,
+  to_fpga=True), the configuration DESIGN.md's target names;
+- for information, the same aaccl allreduce on host buffers (the driver copies the
+  input to the device before the call and the result back after it);
+
+each of them at 4 bytes (count=1) and at `--size-mib` MiB (default 16).
+
+Every iteration starts after an MPI Barrier on COMM_WORLD; its time is the latest
+rank's return minus the earliest rank's entry (time.perf_counter is CLOCK_MONOTONIC,
+one clock for every process of the machine), so it covers the whole collective on
+every rank. Medians after warm-up iterations are reported. Half of the raw MPI
+iterations run before aaccl's world is opened and half after it is closed, so MPI is
+never timed while aaccl's progress thread polls, and slow drift hits both sides alike.
+
+Bandwidths follow nccl-tests: algorithm bandwidth = bytes / time; bus bandwidth =
+algorithm bandwidth * 2 (n - 1) / n for allreduce. The target: aaccl's bus bandwidth
+at 16 MiB (device-resident) at least 0.8x MPI's, checked for each process count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+from _common import (
+    MiB,
+    OtherLoad,
+    busy_cpus,
+    find_mpiexec,
+    fmt_time,
+    median,
+    mpi_env,
+    run_mpiexec,
+    spread,
+    verdict,
+)
+
+TARGET_SIZE_MIB = 16
+TARGET_RATIO = 0.8
+TARGET = "aaccl busbw / MPI busbw >= 0.8 at 16 MiB (device-resident buffers)"
+SIDES = ("mpi", "aaccl_device", "aaccl_host")
+LABELS = {"mpi": "mpi4py Allreduce", "aaccl_device": "aaccl, device buffers",
+          "aaccl_host": "aaccl, host buffers"}
+
+
+def bus_factor(procs: int) -> float:
+    """nccl-tests' allreduce bus bandwidth factor."""
+    return 2 * (procs - 1) / procs
+
+
+# -- worker (one per MPI process) ---------------------------------------------------------
+
+
+Span = tuple[float, float]
+"""One iteration: (latest end - earliest start, latest start - earliest start)."""
+
+
+class Timer:
+    """Barrier-separated iterations, each timed from the earliest rank's start to the
+    latest rank's end; only rank 0 keeps the spans."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm, self.rank = comm, comm.Get_rank()
+
+    def span(self, start: float, end: float) -> Span | None:
+        """On rank 0: (latest end - earliest start, how far apart the starts were);
+        the timestamps are exchanged outside the timed interval."""
+        ends = self.comm.gather((start, end), root=0)
+        if self.rank != 0:
+            return None
+        starts = [s for s, _ in ends]
+        return max(e for _, e in ends) - min(starts), max(starts) - min(starts)
+
+
+def _summary(spans: list[Span]) -> dict[str, Any]:
+    out: dict[str, Any] = spread([s for s, _ in spans])
+    out["start_skew_median"] = median([k for _, k in spans])
+    # for information: from the latest rank's start (nobody finishes before it)
+    out["from_last_start_median"] = median([s - k for s, k in spans])
+    return out
+
+
+def mpi_side(timer: Timer, src: np.ndarray, dst: np.ndarray, iters: int,
+             warmup: int) -> list[Span]:
+    from mpi4py import MPI
+
+    comm, spans = timer.comm, []
+    for i in range(warmup + iters):
+        comm.Barrier()
+        start = time.perf_counter()
+        comm.Allreduce(src, dst, op=MPI.SUM)
+        end = time.perf_counter()
+        span = timer.span(start, end)
+        if i >= warmup and span is not None:
+            spans.append(span)
+    return spans
+
+
+async def aaccl_side(timer: Timer, counts: dict[str, int], iters: dict[str, int],
+                     warmup: int) -> tuple[dict[str, Any], bool]:
+    """Both aaccl variants at every size; ({side: {size: spans}}, results correct)."""
+    import aaccl
+    from aaccl import ReduceFunction
+
+    out: dict[str, dict[str, list[Span]]] = {}
+    comm, correct = timer.comm, True
+    expected = comm.Get_size() * (comm.Get_size() + 1) / 2
+    async with aaccl.open_world() as accls:
+        (accl,) = accls
+        src = accl.allocate((max(counts.values()),), np.float32)
+        dst = accl.allocate((max(counts.values()),), np.float32)
+        src[:] = accl.rank + 1
+        dst[:] = 0
+        src.sync_to_device()
+        dst.sync_to_device()  # fault the device pages in before timing
+
+        async def timed(call: Callable[[], Awaitable[Any]], n: int,
+                        skip: int) -> list[Span]:
+            spans = []
+            for i in range(skip + n):
+                comm.Barrier()
+                start = time.perf_counter()
+                await call()
+                end = time.perf_counter()
+                span = timer.span(start, end)
+                if i >= skip and span is not None:
+                    spans.append(span)
+            return spans
+
+        for side, on_device in (("aaccl_device", True), ("aaccl_host", False)):
+            out[side] = {}
+            for name, count in counts.items():
+                def call(count: int = count, on_device: bool = on_device) -> Any:
+                    return accl.allreduce(src, dst, count, ReduceFunction.SUM,
+                                          from_fpga=on_device, to_fpga=on_device)
+
+                out[side][name] = await timed(call, iters[name], warmup)
+                # outside the timing: the last result really is where it should be
+                dst[:] = 0
+                if on_device:
+                    dst.sync_from_device()
+                else:
+                    dst.sync_to_device()
+                    await call()
+                picks = dst[[0, count // 2, count - 1]]
+                correct &= bool((picks == expected).all())
+    return out, correct
+
+
+def mpi_worker(counts: dict[str, int], iters: dict[str, int], warmup: int) -> None:
+    """Runs in each of the mpiexec processes; rank 0 prints one line of JSON."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    timer = Timer(comm)
+    size, rank = comm.Get_size(), comm.Get_rank()
+    expected = size * (size + 1) / 2
+    bufs = {name: (np.full(count, rank + 1, np.float32), np.zeros(count, np.float32))
+            for name, count in counts.items()}
+    for src, dst in bufs.values():
+        dst[:] = 1  # fault the pages in before timing
+
+    mpi: dict[str, list[Span]] = {name: [] for name in counts}
+    for name, (src, dst) in bufs.items():  # first half of MPI's iterations
+        mpi[name] += mpi_side(timer, src, dst, iters[name] - iters[name] // 2, warmup)
+    aac, aaccl_ok = asyncio.run(aaccl_side(timer, counts, iters, warmup))
+    gc.collect()
+    for name, (src, dst) in bufs.items():  # second half, aaccl's world closed
+        mpi[name] += mpi_side(timer, src, dst, iters[name] // 2, warmup)
+    mpi_ok = all(bool(dst[0] == expected and dst[-1] == expected) for _, dst in bufs.values())
+    correct = comm.reduce(mpi_ok and aaccl_ok, op=MPI.LAND, root=0)
+    if rank == 0:
+        results = {"mpi": {name: _summary(spans) for name, spans in mpi.items()}}
+        for side, by_size in aac.items():
+            results[side] = {name: _summary(spans) for name, spans in by_size.items()}
+        print(json.dumps({"procs": size, "library": MPI.Get_library_version().splitlines()[0],
+                          "thread_level": MPI.Query_thread(), "correct": bool(correct),
+                          "results": results}), flush=True)
+
+
+def run_procs(args: argparse.Namespace, procs: int, counts: dict[str, int],
+              iters: dict[str, int], warmup: int) -> dict[str, Any]:
+    """Launch this script under `mpiexec -n procs`; {"error": why} if that fails."""
+    mpiexec, why = find_mpiexec()
+    if mpiexec is None:
+        return {"error": why}
+    cmd = [mpiexec, "-n", str(procs), sys.executable, os.path.abspath(__file__),
+           "--mpi-worker", "--count", str(counts["large"]), "--iters", str(iters["large"]),
+           "--small-iters", str(iters["small"]), "--warmup", str(warmup)]
+    result = run_mpiexec(cmd, args.mpi_timeout)
+    result["command"] = " ".join(cmd)
+    return result
+
+
+# -- report --------------------------------------------------------------------------------
+
+
+def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (process count, size, side), with bandwidths and the ratio to MPI."""
+    cfg = results["config"]
+    rows = []
+    for run in results["runs"]:
+        procs = run["procs"]
+        for name in ("small", "large"):
+            nbytes = cfg["bytes"][name]
+            times = {side: run["results"][side][name]["median"]
+                     for side in SIDES if "results" in run}
+            for side in SIDES:
+                t = times.get(side)
+                algbw = None if not t else nbytes / t / 1e9
+                busbw = None if algbw is None else algbw * bus_factor(procs)
+                mpi_t = times.get("mpi")
+                ratio = mpi_t / t if side != "mpi" and t and mpi_t else None  # busbw ratio
+                binding = (side == "aaccl_device" and name == "large"
+                           and cfg["size_mib"] == TARGET_SIZE_MIB)
+                judged = side == "aaccl_device" and name == "large"
+                rows.append({"procs": procs, "size": name, "bytes": nbytes, "side": side,
+                             "time_s": t, "algbw_GBps": algbw, "busbw_GBps": busbw,
+                             "busbw_vs_mpi": ratio, "judged": judged, "binding": binding,
+                             "pass": None if not judged or ratio is None
+                             else ratio >= TARGET_RATIO})
+    return rows
+
+
+def _fmt_size(nbytes: int) -> str:
+    return f"{nbytes / MiB:g} MiB" if nbytes >= MiB else f"{nbytes} B"
+
+
+def _fmt_bw(gbps: float | None) -> str:
+    if gbps is None:
+        return "n/a"
+    return f"{gbps:.2f}" if gbps >= 0.01 else f"{gbps:.1e}"
+
+
+def print_table(results: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    cfg = results["config"]
+    head = (f"{'procs':<6}{'size':<9}{'side (median)':<24}{'latency':>10}{'algbw GB/s':>12}"
+            f"{'busbw GB/s':>12}{'busbw vs MPI':>14}   {'target':<9}result")
+    print(head)
+    print("-" * len(head))
+    last = None
+    for row in rows:
+        if last is not None and (row["procs"], row["size"]) != last:
+            print()
+        last = (row["procs"], row["size"])
+        ratio = "" if row["side"] == "mpi" else \
+            "n/a" if row["busbw_vs_mpi"] is None else f"{row['busbw_vs_mpi']:.2f}x"
+        tail = ""
+        if row["judged"]:
+            tail = f"   {'>= ' + str(TARGET_RATIO) + 'x':<9}{verdict(row['pass'])}" \
+                   f"{'' if row['binding'] else ' (info)'}"
+        print(f"{row['procs']:<6}{_fmt_size(row['bytes']):<9}{LABELS[row['side']]:<24}"
+              f"{fmt_time(row['time_s']):>10}{_fmt_bw(row['algbw_GBps']):>12}"
+              f"{_fmt_bw(row['busbw_GBps']):>12}{ratio:>14}{tail}".rstrip())
+    print()
+    if cfg["size_mib"] != TARGET_SIZE_MIB:
+        print(f"the target is set at {TARGET_SIZE_MIB} MiB: at {cfg['size_mib']:g} MiB its "
+              "verdicts are for information only")
+    print("busbw = algbw x 2(n-1)/n (nccl-tests' allreduce factor); 'busbw vs MPI' = aaccl's "
+          "busbw / MPI's = MPI time / aaccl time")
+    print(f"target (DESIGN.md): {TARGET}")
+    print(f"iterations: {cfg['size_mib']:g} MiB {cfg['iters']['large']}, 4 B "
+          f"{cfg['iters']['small']} (+{cfg['warmup']} warm-up each); machine: {cfg['cpus']} "
+          f"CPUs, Python {cfg['python']}, numpy {cfg['numpy']}")
+    busy, during = cfg["busy_cpus_at_start"], cfg["other_cpus_during_run"]
+    if busy is not None and during is not None and max(busy, during) > 0.3:
+        print(f"warning: other processes kept {busy:.1f} CPUs busy when the run started and "
+              f"{during:.1f} on average during it: the timings are noisy")
+    for run in results["runs"]:
+        if "error" in run:
+            print(f"{run.get('procs', '?')} processes: n/a ({run['error']})")
+            continue
+        res = run["results"]
+        late = res["mpi"]["large"]["from_last_start_median"] / \
+            res["aaccl_device"]["large"]["from_last_start_median"]
+        print(f"{run['procs']} processes, timed from the latest rank's start instead (info): "
+              f"{cfg['size_mib']:g} MiB device-buffer busbw vs MPI {late:.2f}x")
+        skew = ", ".join(f"{side.replace('aaccl_', 'aaccl ')} "
+                         f"{fmt_time(run['results'][side]['large']['start_skew_median'])}"
+                         for side in SIDES)
+        print(f"{run['procs']} processes: {' '.join(run['library'].split())}, MPI env vars: "
+              f"{' '.join(f'{k}={v}' for k, v in results['env'].items()) or 'none'}; results "
+              f"{'correct' if run['correct'] else 'WRONG'}; barrier exit skew at "
+              f"{cfg['size_mib']:g} MiB (median, part of the times): {skew}")
+    if cfg["cpus"] and any(run.get("procs", 0) > cfg["cpus"] for run in results["runs"]):
+        print(f"note: more processes than the {cfg['cpus']} CPUs: MPICH busy-polls and aaccl "
+              "adds a progress thread per process, so both sides are oversubscribed")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--procs", default="2,4",
+                        help="comma-separated process counts (default 2,4)")
+    parser.add_argument("--size-mib", type=float, default=None,
+                        help="the large size, MiB of float32 (default 16, --quick: 4)")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="timed iterations at the large size (default 20, --quick: 5)")
+    parser.add_argument("--small-iters", type=int, default=None,
+                        help="timed iterations at 4 B (default 300, --quick: 50)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed iterations of each")
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a CI smoke test")
+    parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                        help="write the results as JSON to PATH (or stdout: -, the default) "
+                             "instead of the table")
+    parser.add_argument("--mpi-timeout", type=float, default=900.0,
+                        help="seconds each mpiexec may take")
+    parser.add_argument("--check", action="store_true",
+                        help="exit with status 1 if the target is missed")
+    parser.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--count", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    quick = args.quick
+    size_mib = args.size_mib if args.size_mib is not None else (4 if quick else 16)
+    counts = {"small": 1, "large": args.count or max(1, int(size_mib * MiB) // 4)}
+    iters = {"small": args.small_iters or (50 if quick else 300),
+             "large": args.iters or (5 if quick else 20)}
+    warmup = max(1, args.warmup)
+
+    if args.mpi_worker:
+        mpi_worker(counts, iters, warmup)
+        return 0
+
+    procs = [int(p) for p in args.procs.split(",") if p.strip()]
+    config = {"size_mib": counts["large"] * 4 / MiB, "counts": counts,
+              "bytes": {name: 4 * c for name, c in counts.items()}, "iters": iters,
+              "warmup": warmup, "procs": procs, "cpus": os.cpu_count(),
+              "python": platform.python_version(), "numpy": np.__version__, "quick": quick,
+              "busy_cpus_at_start": busy_cpus()}
+    mpiexec, why = find_mpiexec()
+    if mpiexec is None:
+        print(f"bench_mpi needs MPI: {why} (pip install mpi4py mpich)", file=sys.stderr)
+        return 2
+    log = sys.stderr if args.json == "-" else sys.stdout
+    runs = []
+    other = OtherLoad()
+    for n in procs:
+        print(f"mpiexec -n {n}: mpi4py and aaccl allreduce, 4 B and "
+              f"{config['size_mib']:g} MiB...", file=log, flush=True)
+        run = run_procs(args, n, counts, iters, warmup)
+        run.setdefault("procs", n)
+        runs.append(run)
+    config["other_cpus_during_run"] = other.cpus()
+    results: dict[str, Any] = {"config": config, "env": mpi_env(), "runs": runs,
+                               "target": TARGET}
+    rows = evaluate(results)
+    results["rows"] = rows
+    if args.json is None:
+        print()
+        print_table(results, rows)
+    else:
+        text = json.dumps(results, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+            print_table(results, rows)
+    failed = any("error" in run or not run.get("correct", False) for run in runs)
+    missed = any(row["pass"] is False and row["binding"] for row in rows)
+    return 1 if args.check and (missed or failed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
