@@ -107,6 +107,13 @@ class RxPool:
         msg.slots = []
 
 
+def _taken(msg: Message) -> Message:
+    """Tell whoever asked (outside the lock) that a receive has claimed `msg`."""
+    if msg.on_taken is not None:
+        msg.on_taken()
+    return msg
+
+
 class Inbox:
     """Everything addressed to one soft CCLO."""
 
@@ -247,7 +254,7 @@ class Inbox:
             raise PeerTimeout
         for waiter in ready:
             waiter()
-        return msg
+        return _taken(msg)
 
     def take_posted_nowait(self, key: Key, src: int, recv: PostedRecv,
                            waiter: Waiter) -> Message | None:
@@ -265,7 +272,7 @@ class Inbox:
             ready = self._ready(stream)
         for other in ready:
             other()
-        return msg
+        return _taken(msg)
 
     def unpark_posted(self, key: Key, src: int, recv: PostedRecv) -> bool:
         """Give up a parked receive (it timed out); False if its waiter already fired."""
@@ -284,7 +291,7 @@ class Inbox:
                 self._step_waiters[(src, key)] = waiter
                 return None
             msg.state = TAKEN
-        return msg
+        return _taken(msg)
 
     def unpark_step(self, src: int, key: Key) -> bool:
         """Give up a parked step (it timed out); False if its waiter already fired."""
@@ -299,7 +306,7 @@ class Inbox:
                     raise PeerTimeout
                 self._cond.wait(remaining)
             msg.state = TAKEN
-        return msg
+        return _taken(msg)
 
     def data(self, msg: Message) -> np.ndarray:
         """A taken message's payload bytes (valid until `release`)."""

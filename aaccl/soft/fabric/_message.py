@@ -27,7 +27,7 @@ class Message:
     """
 
     __slots__ = ("src", "key", "seq", "tag", "nbytes", "payload", "slots", "state",
-                 "eager", "tombstone", "on_done")
+                 "eager", "tombstone", "on_taken", "on_done")
 
     def __init__(self, src: int, key: Key, seq: int, tag: int, payload: np.ndarray | None,
                  eager: bool, tombstone: bool = False) -> None:
@@ -38,6 +38,7 @@ class Message:
         self.state = PENDING
         self.eager = eager
         self.tombstone = tombstone
+        self.on_taken: Callable[[], None] | None = None  # a receive has claimed it
         self.on_done: Callable[[], None] | None = None  # the receiver is done with it
 
 

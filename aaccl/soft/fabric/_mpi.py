@@ -7,10 +7,11 @@ waits on the other. The receiver acknowledges a message once it is done with it.
 
 Flow control keeps the eager semantics of the CCLO: a sender may have at most its
 share of the receiver's rx buffers (`nbufs / (size - 1)` segments) in eager
-messages not yet acknowledged. Within that window an eager send completes as soon
-as MPI has a copy of the data; beyond it, or for messages above the eager
-threshold, the send completes when the receiver has taken the data, and a sender
-that times out withdraws its message.
+messages not yet acknowledged (an eager message is acknowledged when its rx
+buffers are free again). Within that window an eager send completes as soon as
+MPI has a copy of the data; beyond it, or for messages above the eager threshold,
+the send completes when a receive has taken the data (acknowledged then: the
+payload is the receiver's own copy), and a sender that times out withdraws it.
 """
 
 from __future__ import annotations
@@ -145,9 +146,11 @@ class MPIFabric:
                 self._incoming.pop((src, msg_id), None)
                 self._send_obj(msg_id, src, ACK)
 
-            msg.on_done = acknowledge
-            if not eager:  # the sender may withdraw it until we take it
-                self._incoming[(src, msg_id)] = msg
+            if eager:  # it holds rx buffers of the sender's window until released
+                msg.on_done = acknowledge
+            else:  # the payload is our own copy: the send is done once a receive has it
+                msg.on_taken = acknowledge
+                self._incoming[(src, msg_id)] = msg  # until then, the sender may withdraw it
         self.inbox.deliver(msg)
 
     def _acked(self, msg_id: int) -> None:
