@@ -24,33 +24,34 @@ def dtype(value: Any) -> np.dtype:
     return dt
 
 
-def index(value: Any, name: str, limit: int) -> int:
+def _integer(value: Any, name: str) -> int:
+    """An integer argument (numpy integers too; bools are not counts or ranks)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer, not {type(value).__name__}")
-    value = int(value)
-    if not 0 <= value < limit:
-        raise ValueError(f"{name} {value} is out of range: this communicator has {limit} ranks")
     return int(value)
 
 
+def index(value: Any, name: str, limit: int) -> int:
+    value = _integer(value, name)
+    if not 0 <= value < limit:
+        raise ValueError(f"{name} {value} is out of range: this communicator has {limit} ranks")
+    return value
+
+
 def count(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"count must be an integer, not {type(value).__name__}")
-    value = int(value)
+    value = _integer(value, "count")
     if value < 0:
         raise ValueError(f"count must not be negative, got {value}")
     if value >= 2**32:
         raise ValueError(f"count {value} does not fit the CCLO's 32-bit count")
-    return int(value)
+    return value
 
 
 def tag(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"tag must be an integer, not {type(value).__name__}")
-    value = int(value)
+    value = _integer(value, "tag")
     if not 0 <= value <= TAG_ANY:
         raise ValueError(f"tag {value} is not a 32-bit unsigned integer")
-    return int(value)
+    return value
 
 
 def function(value: Any) -> ReduceFunction:

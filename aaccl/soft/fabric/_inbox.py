@@ -244,17 +244,22 @@ class Inbox:
                     break
                 self._cond.wait(remaining)
             else:
-                recv.active = False
-                stream.posted.remove(recv)
-                stream.visible.remove(msg)
-                msg.state = TAKEN
-                ready = self._ready(stream)
+                ready = self._claim(stream, recv, msg)
         if msg is None:
             self.cancel(key, src, recv)
             raise PeerTimeout
         for waiter in ready:
             waiter()
         return _taken(msg)
+
+    def _claim(self, stream: _Stream, recv: PostedRecv, msg: Message) -> list[Waiter]:
+        """Give `msg` to `recv` (call with the lock); return the parked receives that
+        may match now that both are out of the way."""
+        recv.active = False
+        stream.posted.remove(recv)
+        stream.visible.remove(msg)
+        msg.state = TAKEN
+        return self._ready(stream)
 
     def take_posted_nowait(self, key: Key, src: int, recv: PostedRecv,
                            waiter: Waiter) -> Message | None:
@@ -265,11 +270,7 @@ class Inbox:
             if msg is None:
                 recv.waiter = waiter
                 return None
-            recv.active = False
-            stream.posted.remove(recv)
-            stream.visible.remove(msg)
-            msg.state = TAKEN
-            ready = self._ready(stream)
+            ready = self._claim(stream, recv, msg)
         for other in ready:
             other()
         return _taken(msg)
