@@ -11,6 +11,7 @@ import shutil
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from typing import Any
 
 MiB = 1 << 20
@@ -114,3 +115,19 @@ def run_mpiexec(cmd: list[str], timeout: float) -> dict[str, Any]:
         return {"error": f"mpiexec exited with {proc.returncode}: {' | '.join(tail)}",
                 "command": cmd}
     return json.loads(lines[-1])
+
+
+def report(results: dict[str, Any], rows: list[dict[str, Any]], json_target: str | None,
+           print_table: Callable[[dict[str, Any], list[dict[str, Any]]], None]) -> None:
+    """The table on stdout; with --json, JSON too (on stdout for "-", else to a file)."""
+    if json_target is None:
+        print()
+        print_table(results, rows)
+        return
+    text = json.dumps(results, indent=2)
+    if json_target == "-":
+        print(text)
+        return
+    with open(json_target, "w") as f:
+        f.write(text + "\n")
+    print_table(results, rows)

@@ -37,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from _common import MiB, busy_cpus, find_mpiexec, fmt_time, mpi_env, run_mpiexec, spread, verdict
+from _common import (MiB, busy_cpus, find_mpiexec, fmt_time, mpi_env, report, run_mpiexec,
+                     spread, verdict)
 
 RANKS = 4
 TARGET_SIZE_MIB = 64
@@ -78,7 +79,7 @@ async def _aaccl_bench(count: int, iters: int, warmup: int, small_iters: int,
             await allreduce(count)
         large = [await allreduce(count) for _ in range(iters)]
         expected = RANKS * (RANKS + 1) / 2
-        for src, dst in pairs:  # outside the timing: the result really is on every device
+        for _, dst in pairs:  # outside the timing: the result really is on every device
             dst[:] = 0
             dst.sync_from_device()
             if not (dst[0] == expected and dst[-1] == expected and dst[count // 2] == expected):
@@ -96,7 +97,7 @@ async def _aaccl_bench(count: int, iters: int, warmup: int, small_iters: int,
             await asyncio.gather(*(a.allreduce(s, d, 1, ReduceFunction.SUM, from_fpga=True,
                                                to_fpga=True) for a, (s, d) in zip(accls, pairs)))
         out["allreduce_small_back_to_back_s"] = (time.perf_counter() - start) / small_iters
-        del pairs
+        pairs.clear()
 
         # (b) nop round trip on rank 0 (the other ranks are idle)
         accl = accls[0]
@@ -139,7 +140,8 @@ def run_numpy(count: int, iters: int, warmup: int) -> dict[str, Any]:
     for _ in range(warmup):
         one_pass()
     times = [one_pass() for _ in range(iters)]
-    del srcs, dsts
+    srcs.clear()
+    dsts.clear()
     gc.collect()
     return {"allreduce_large_s": spread(times)}
 
@@ -354,17 +356,7 @@ def main() -> int:
     results = {"config": config, "aaccl": aac, "mpi": mpi, "numpy": npy, "targets": TARGETS}
     verdicts = evaluate(results)
     results["verdicts"] = verdicts
-    if args.json is None:
-        print()
-        print_table(results, verdicts)
-    else:
-        text = json.dumps(results, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
-            print_table(results, verdicts)
+    report(results, verdicts, args.json, print_table)
     missed = any(row["pass"] is False and row["binding"] for row in verdicts)
     return 1 if args.check and missed else 0
 

@@ -50,6 +50,7 @@ from _common import (
     fmt_time,
     median,
     mpi_env,
+    report,
     run_mpiexec,
     spread,
     verdict,
@@ -177,7 +178,7 @@ def mpi_worker(counts: dict[str, int], iters: dict[str, int], warmup: int) -> No
     expected = size * (size + 1) / 2
     bufs = {name: (np.full(count, rank + 1, np.float32), np.zeros(count, np.float32))
             for name, count in counts.items()}
-    for src, dst in bufs.values():
+    for _, dst in bufs.values():
         dst[:] = 1  # fault the pages in before timing
 
     mpi: dict[str, list[Span]] = {name: [] for name in counts}
@@ -366,17 +367,7 @@ def main() -> int:
                                "target": TARGET}
     rows = evaluate(results)
     results["rows"] = rows
-    if args.json is None:
-        print()
-        print_table(results, rows)
-    else:
-        text = json.dumps(results, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
-            print_table(results, rows)
+    report(results, rows, args.json, print_table)
     failed = any("error" in run or not run.get("correct", False) for run in runs)
     missed = any(row["pass"] is False and row["binding"] for row in rows)
     return 1 if args.check and (missed or failed) else 0
