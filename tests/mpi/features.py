@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from _harness import OPTIONS, Checks, run_suite
 from conftest import DTYPES, reference_inputs
+from test_chaining import on_device
 from test_communicators import DTYPE as COMM_DTYPE
 from test_communicators import check_collectives
 from test_communicators import data as comm_data
@@ -398,14 +399,6 @@ async def communicators(checks: Checks, accl: aaccl.ACCL) -> None:
 
 
 # -- waitfor chains -----------------------------------------------------------------------
-
-def on_device(buf: aaccl.Buffer) -> np.ndarray:
-    saved = np.array(buf)
-    buf.sync_from_device()
-    out = np.array(buf)
-    buf[...] = saved
-    return out
-
 
 async def chains(checks: Checks, accl: aaccl.ACCL) -> None:
     assert accl.size == 4, "run with 4 processes"
