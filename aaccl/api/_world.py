@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -29,12 +30,12 @@ if sys.version_info < (3, 11):
 T = TypeVar("T")
 DEVICES = ("soft",)
 FABRICS = ("auto", "inprocess", "mpi")
-_MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
+_MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")  # MPICH's, Open MPI's
 
 
 def mpi_launched() -> bool:
     """True in a process that mpiexec/mpirun started as part of a multi-process job."""
-    return any(int(os.environ.get(name, "1")) > 1 for name in _MPI_SIZE_VARIABLES[:2])
+    return any(int(os.environ.get(name, "1")) > 1 for name in _MPI_SIZE_VARIABLES)
 
 
 def _started_by_mpiexec() -> bool:
@@ -185,8 +186,6 @@ def run(main: Callable[[ACCL], Awaitable[T]], world_size: int | None = None, *,
 def _gather_results(mine: Any, timeout: float) -> list[Any]:
     """Every MPI rank's result, once all have one (a rank that died makes this fail
     after `timeout` instead of hanging)."""
-    import time
-
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD

@@ -430,8 +430,7 @@ class _Run(Task):
     def _apply(self, operands: list[Local | Incoming], loc: Local, count: int,
                fn: Callable[[list[np.ndarray], np.ndarray], None]) -> None:
         arrays = [self._operand(op, count) for op in operands]
-        start = self.addrs[loc.slot] + loc.offset * self.itemsize
-        end = start + count * self.itemsize
+        start, end = self._span(loc, count)
         busy = [entry for entry in self.sending if entry[0] < end and start < entry[1]]
         if busy and not self.blocking:
             raise Escalate
@@ -490,7 +489,7 @@ class _Run(Task):
                       payload.view(np.uint8), eager=payload.nbytes <= self.dev.max_eager_size)
         request = self.dev.port.post(self.comm.sessions[step.peer], msg)
         if request is not COMPLETED:
-            start = self.addrs[step.src.slot] + step.src.offset * self.itemsize
-            private = payload is not data or (step.src, step.count) in self.saved
-            end = start if private else start + payload.nbytes  # a copy is ours alone
+            start, end = self._span(step.src, step.count)
+            if payload is not data or (step.src, step.count) in self.saved:
+                end = start  # a copy is ours alone: no peer reads our memory
             self.sending.append((start, end, request))

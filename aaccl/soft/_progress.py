@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -64,8 +65,6 @@ class Watchdog:
                 self._disarmed = 0
 
     def _watch(self) -> None:
-        import time
-
         while True:
             with self._cond:
                 while True:
