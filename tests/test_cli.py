@@ -10,24 +10,33 @@ from pathlib import Path
 import pytest
 
 from aaccl.cli import command, main
+from aaccl.cli._launch import job_status
+
+RANK = [sys.executable, "-m", "aaccl.cli._rank"]  # each rank records its exit status
 
 
 def test_command_for_hydra_keeps_survivors_alive() -> None:
     cmd = command("/x/mpiexec", 4, ["app.py", "--flag"], "hosts.txt", hydra=True)
     assert cmd == ["/x/mpiexec", "-n", "4", "-f", "hosts.txt", "-disable-auto-cleanup",
-                   sys.executable, "app.py", "--flag"]
+                   *RANK, "app.py", "--flag"]
 
 
 def test_command_on_one_machine_gives_each_rank_its_own_proxy() -> None:
     cmd = command("mpiexec", 3, ["app.py"], None, hydra=True)
     assert cmd == ["mpiexec", "-n", "3", "-disable-auto-cleanup", "-launcher", "fork",
-                   "-hosts", "127.0.0.1,127.0.0.2,127.0.0.3", "-ppn", "1",
-                   sys.executable, "app.py"]
+                   "-hosts", "127.0.0.1,127.0.0.2,127.0.0.3", "-ppn", "1", *RANK, "app.py"]
 
 
 def test_command_for_other_launchers() -> None:
     cmd = command("mpirun", 2, ["-m", "pkg.app"], "hosts", hydra=False)
-    assert cmd == ["mpirun", "-n", "2", "--hostfile", "hosts", sys.executable, "-m", "pkg.app"]
+    assert cmd == ["mpirun", "-n", "2", "--hostfile", "hosts", *RANK, "-m", "pkg.app"]
+
+
+def test_job_status_prefers_the_ranks_own_statuses() -> None:
+    assert job_status(255, [0, 7], 2) == 7  # hydra's own error hides the rank's status
+    assert job_status(0, [0, 0, 0], 3) == 0
+    assert job_status(9, [1, 1], 3) == 9  # a rank died without a status: the launcher's
+    assert job_status(0, [0], 2) == 1  # missing a status is never success
 
 
 def test_bad_arguments_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
@@ -49,6 +58,13 @@ def test_launch_forwards_the_jobs_exit_code(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "aaccl", "launch", "-n", "2", str(script)],
                           timeout=120)
     assert done.returncode == 7
+    synced = tmp_path / "synced.py"
+    synced.write_text("import sys\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\n"
+                      "sys.exit(7 if MPI.COMM_WORLD.rank == 1 else 0)\n")
+    for _ in range(3):  # hydra alone sometimes reports 255 here
+        again = subprocess.run([sys.executable, "-m", "aaccl", "launch", "-n", "2", str(synced)],
+                               timeout=120)
+        assert again.returncode == 7
     ok = subprocess.run([sys.executable, "-m", "aaccl", "launch", "-n", "2", "--", "-c",
                          "pass"], timeout=120)
     assert ok.returncode == 0

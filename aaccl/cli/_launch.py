@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -51,18 +52,32 @@ def command(mpiexec: str, nprocs: int, program: Sequence[str], hostfile: str | N
         if not hostfile:
             hosts = ",".join(f"127.0.0.{i + 1}" for i in range(nprocs))
             cmd += ["-launcher", "fork", "-hosts", hosts, "-ppn", "1"]
-    return cmd + [sys.executable, *program]
+    # each rank records its own exit status (see _rank.py)
+    return cmd + [sys.executable, "-m", "aaccl.cli._rank", *program]
+
+
+def job_status(launcher: int, recorded: Sequence[int], nprocs: int) -> int:
+    """The job's exit status: the worst of the ranks' own statuses when every rank
+    recorded one; otherwise (a rank died, say of a signal) the launcher's."""
+    if len(recorded) == nprocs:
+        return max(recorded)
+    return launcher or 1
 
 
 def launch(nprocs: int, program: Sequence[str], hostfile: str | None = None,
            mpiexec: str | None = None) -> int:
-    """Run the ranks; return the job's exit status (128 + signal if mpiexec was killed)."""
+    """Run the ranks; return the job's exit status (see `job_status`)."""
     exe = find_mpiexec(mpiexec)
     cmd = command(exe, nprocs, program, hostfile, is_hydra(exe))
-    proc = subprocess.Popen(cmd, env=os.environ.copy())
-    try:
-        code = proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait()
-    return 128 - code if code < 0 else code
+    with tempfile.TemporaryDirectory(prefix="aaccl-launch-") as statuses:
+        env = {**os.environ, "AACCL_LAUNCH_STATUS": statuses}
+        # With SIGPIPE ignored (as in Python), hydra sees EPIPE when it writes to the
+        # proxy of a rank that already exited, instead of dying of the signal.
+        proc = subprocess.Popen(cmd, env=env, restore_signals=False)
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait()
+        recorded = [int(f.read_text()) for f in Path(statuses).iterdir()]
+    return job_status(128 - code if code < 0 else code, recorded, nprocs)
