@@ -33,7 +33,7 @@ class DeviceCall:
     thread and must not block.
     """
 
-    __slots__ = ("args", "_lock", "_callbacks", "_event", "retcode", "aborted")
+    __slots__ = ("args", "_lock", "_callbacks", "_event", "retcode", "aborted", "error")
 
     def __init__(self, args: CallArgs) -> None:
         self.args = args
@@ -42,13 +42,14 @@ class DeviceCall:
         self._event: threading.Event | None = None
         self.retcode = 0
         self.aborted = False  # a dependency failed, so the call never ran
+        self.error: Exception | None = None  # the device could not run the call at all
 
     def done(self) -> bool:
         return self._callbacks is None
 
     @property
     def failed(self) -> bool:
-        return self.aborted or self.retcode != 0
+        return self.aborted or self.retcode != 0 or self.error is not None
 
     def add_done_callback(self, fn: Callable[[DeviceCall], None]) -> None:
         """Run `fn(self)` on completion, or right now if already complete."""
@@ -68,12 +69,13 @@ class DeviceCall:
             event = self._event
         return event.wait(timeout)
 
-    def complete(self, retcode: int = 0, aborted: bool = False) -> None:
+    def complete(self, retcode: int = 0, aborted: bool = False,
+                 error: Exception | None = None) -> None:
         with self._lock:
             callbacks, self._callbacks = self._callbacks, None
             if callbacks is None:
                 raise RuntimeError("device call completed twice")
-            self.retcode, self.aborted = retcode, aborted
+            self.retcode, self.aborted, self.error = retcode, aborted, error
             event = self._event
         if event is not None:
             event.set()

@@ -7,13 +7,14 @@ addresses and dtypes; validation and host<->device syncs belong to the API above
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from .. import _exchmem as xm
 from .._constants import GLOBAL_COMM, TAG_ANY, CompressionFlags, ConfigFunction, Scenario
-from .._errors import CCLOError, DependencyError
+from .._errors import ACCLError, CCLOError, DependencyError
 from ..devices import CallArgs, Device, DeviceCall
 
 CONFIG_TIMEOUT = 60.0
@@ -29,6 +30,7 @@ class Driver:
         self.device = device
         self.nbufs, self.bufsize, self.timeout = nbufs, bufsize, timeout
         self.max_eager_size = bufsize * max(1, nbufs // 4) if max_eager_size is None else max_eager_size
+        self.max_rendezvous_size = max(bufsize * nbufs, self.max_eager_size + 1)
         self._world = xm.Communicator(local_rank, tuple(ranks))
         self.communicators: list[tuple[int, xm.Communicator]] = []
         self._arith: dict[tuple[np.dtype, np.dtype], int] = {}
@@ -40,18 +42,22 @@ class Driver:
     def configure(self) -> None:
         """Bring a reset CCLO to ready, as ACCL's driver does, and check each step."""
         self._config_call(ConfigFunction.RESET_PERIPH)
-        if self.device.mmio_read(xm.CFGRDY) != 0:
-            raise RuntimeError("the CCLO is configured already: is another process using it?")
+        # the firmware acknowledges the reset before its init clears CFGRDY: give it a moment
+        deadline = time.monotonic() + 1.0
+        while self.device.mmio_read(xm.CFGRDY) != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the CCLO is configured already: is another process using it?")
+            time.sleep(0.001)
         self._setup_rx_buffers()
         self._setup_spares()
         self._write_communicator(self._world)
         for key, cfg in xm.DEFAULT_ARITH_CONFIGS.items():
             self._arith[key] = self._write_record(cfg.words())
-        self._write_words(xm.GATHER_FLAT_TREE_MAX_FANIN, [2, 32 * 1024, 3, 4, 32 * 1024])
+        self._write_words(xm.GATHER_FLAT_TREE_MAX_FANIN, [2, 32 * 1024, 3, 4, min(self.max_rendezvous_size // 4, 32 * 1024)])
         self.device.mmio_write(xm.CFGRDY, 1)
         self._config_call(ConfigFunction.SET_TIMEOUT, self._timeout_ticks(self.timeout))
         self._config_call(ConfigFunction.SET_MAX_EAGER_MSG_SIZE, self.max_eager_size)
-        self._config_call(ConfigFunction.SET_MAX_RENDEZVOUS_MSG_SIZE, self.bufsize * self.nbufs)
+        self._config_call(ConfigFunction.SET_MAX_RENDEZVOUS_MSG_SIZE, self.max_rendezvous_size)
         self._config_call(ConfigFunction.ENABLE_PKT)
 
     def _setup_rx_buffers(self) -> None:
@@ -65,8 +71,10 @@ class Driver:
         self.device.mmio_write(xm.NUM_RX_BUFS, self.nbufs)  # last: the firmware waits for it
 
     def _setup_spares(self) -> None:
+        """Scratch buffers the firmware's rendezvous collectives use, as large as the
+        default biggest rendezvous message (as ACCL's driver sizes them)."""
         for offset in (xm.SPARE1, xm.SPARE2, xm.SPARE3):
-            address = self._alloc(self.bufsize)
+            address = self._alloc(self.bufsize * self.nbufs)
             self._write_words(offset, [address & 0xFFFFFFFF, address >> 32])
 
     def _alloc(self, nbytes: int) -> int:
@@ -140,6 +148,9 @@ class Driver:
     @staticmethod
     def error(call: DeviceCall, operation: str) -> Exception | None:
         """The exception a completed call stands for, or None if it succeeded."""
+        if call.error is not None:  # a fresh exception of the device's kind, per call
+            kind = type(call.error) if isinstance(call.error, ACCLError) else ACCLError
+            return kind(f"{operation} could not run: {call.error}")
         if call.aborted:
             return DependencyError(f"{operation} did not run: a call it waits for failed")
         if call.retcode:
