@@ -13,13 +13,13 @@ from ._constants import (
     ReduceFunction,
     StreamFlags,
 )
-from ._errors import ACCLError, CCLOError, DependencyError
+from ._errors import ACCLError, CCLOError, DependencyError, DeviceError, DeviceStuck
 from .api import ACCL, Buffer, Call, mpi_launched, open_world, run
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ACCL", "ACCLError", "Buffer", "CCLOError", "Call", "CompressionFlags", "DependencyError",
-    "ErrorCode", "GLOBAL_COMM", "ReduceFunction", "StreamFlags", "TAG_ANY", "mpi_launched",
+    "DeviceError", "DeviceStuck", "ErrorCode", "GLOBAL_COMM", "ReduceFunction", "StreamFlags", "TAG_ANY", "mpi_launched",
     "open_world", "run",
 ]

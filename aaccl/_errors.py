@@ -26,7 +26,17 @@ class DependencyError(ACCLError):
     """The call never ran because a call in its `waitfor` did not succeed."""
 
 
+class DeviceError(ACCLError):
+    """The device (ACCL's emulator, an Alveo card) did not answer, refused a request, or
+    cannot run this call at all."""
 
 
-for _error in (ACCLError, CCLOError, DependencyError):
+class DeviceStuck(DeviceError):
+    """The device still runs a call that timed out (ACCL's firmware cannot abandon a
+    call), so it cannot take another until that call ends or the device is reset."""
+
+
+
+
+for _error in (ACCLError, CCLOError, DependencyError, DeviceError, DeviceStuck):
     _error.__module__ = "aaccl"  # tracebacks name the public path

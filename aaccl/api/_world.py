@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -20,6 +20,8 @@ import anyio
 
 from .. import _exchmem as xm
 from .._errors import ACCLError
+from ..devices import Device
+from ..devices._emulator import DEFAULT_PORT, EAGER_ONLY, EmulatorDevice
 from ..driver import Driver
 from ..soft import InProcessFabric, SoftDevice
 from ._accl import ACCL
@@ -28,7 +30,7 @@ if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
 T = TypeVar("T")
-DEVICES = ("soft",)
+DEVICES = ("soft", "emulator", "xrt", "pynq")
 FABRICS = ("auto", "inprocess", "mpi")
 _MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")  # MPICH's, Open MPI's
 
@@ -43,8 +45,20 @@ def _started_by_mpiexec() -> bool:
     return any(name in os.environ for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
 
 
+def _mpi_rank_and_size() -> tuple[int, int] | None:
+    """(rank, size) of this process in an mpiexec job, read from the launcher's
+    environment (devices other than the soft CCLO need no MPI library)."""
+    for rank, size in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
+        if rank in os.environ and size in os.environ:
+            return int(os.environ[rank]), int(os.environ[size])
+    return None
+
+
 def _check_options(world_size: Any, device: str, fabric: str, nbufs: Any, bufsize: Any,
                    timeout: Any) -> None:
+    if device != "soft" and fabric != "auto":
+        raise ValueError(f"fabric={fabric!r} is for the soft CCLO: the {device} device brings "
+                         "its own network")
     if world_size is not None or fabric == "inprocess":
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -61,15 +75,24 @@ def _check_options(world_size: Any, device: str, fabric: str, nbufs: Any, bufsiz
         raise ValueError(f"timeout must be a positive number of seconds below 4000, got {timeout!r}")
 
 
-def _ranks(size: int, bufsize: int) -> list[xm.RankRecord]:
-    return [xm.RankRecord(ip=xm.ip_encode("127.0.0.1"), port=17000 + r, session=r,
-                          max_segment_size=bufsize) for r in range(size)]
+def _ranks(size: int, bufsize: int,
+           addresses: Sequence[tuple[str, int]] | None = None) -> list[xm.RankRecord]:
+    """Every rank's communicator record: its (IP, port) on the FPGA network, or
+    loopback placeholders where the fabric does not use them."""
+    if addresses is None:
+        addresses = [("127.0.0.1", 17000 + r) for r in range(size)]
+    return [xm.RankRecord(ip=xm.ip_encode(ip), port=port, session=r, max_segment_size=bufsize)
+            for r, (ip, port) in enumerate(addresses)]
 
 
 @asynccontextmanager
 async def open_world(world_size: int | None = None, *, device: str = "soft",
                      fabric: str = "auto", nbufs: int = 16, bufsize: int = 1024,
-                     timeout: float = 10.0) -> AsyncIterator[list[ACCL]]:
+                     timeout: float = 10.0, emulator_port: int = DEFAULT_PORT,
+                     emulator_protocol: str = "tcp", xclbin: str | None = None,
+                     board_idx: int | Sequence[int] = 0, cclo_idx: int = 0,
+                     addresses: Sequence[tuple[str, int]] | None = None,
+                     ) -> AsyncIterator[list[ACCL]]:
     """Open this process's ranks of a world; yield their ACCLs in rank order.
 
     With the in-process fabric (the default outside mpiexec), `world_size` ranks
@@ -79,8 +102,24 @@ async def open_world(world_size: int | None = None, *, device: str = "soft",
     rank; `timeout` seconds a call waits for a peer before it fails with
     RECEIVE_TIMEOUT_ERROR. On exit, waits for every outstanding call and releases
     the devices.
+
+    `device="emulator"` drives ACCL's emulator (`cclo_emu`, ACCL's firmware run on the
+    host), started beforehand with as many ranks as the world has, its start port
+    (`emulator_port`) and its network protocol (`emulator_protocol`, "tcp" or "udp").
+    Its ranks are tasks of this process, or one per process under mpiexec.
+
+    `device="xrt"` (pyxrt) or `"pynq"` (pynq 3.0.1) drive Alveo cards programmed with
+    `xclbin`: rank r of this process uses card `board_idx + r` (or `board_idx[r]`),
+    CCLO `cclo_idx`; `addresses` gives each rank's (IP, port) on the FPGA network.
     """
     _check_options(world_size, device, fabric, nbufs, bufsize, timeout)
+    if device != "soft":
+        make, eager = _device_maker(device, emulator_port, emulator_protocol, xclbin,
+                                    board_idx, cclo_idx)
+        async with _device_world(world_size, make, nbufs, bufsize, timeout, eager,
+                                 addresses) as on_devices:
+            yield on_devices
+        return
     if fabric == "mpi" or (fabric == "auto" and (
             mpi_launched() or (world_size is None and _started_by_mpiexec()))):
         async with _mpi_world(world_size, nbufs, bufsize, timeout) as mine:
@@ -102,9 +141,78 @@ async def open_world(world_size: int | None = None, *, device: str = "soft",
                 await accl.aclose()
 
 
-async def _open(dev: SoftDevice, rank: int, ranks: list[xm.RankRecord], nbufs: int,
-                bufsize: int, timeout: float) -> ACCL:
-    driver = Driver(dev, rank, ranks, nbufs=nbufs, bufsize=bufsize, timeout=timeout)
+def _device_maker(device: str, emulator_port: int, emulator_protocol: str, xclbin: str | None,
+                  board_idx: int | Sequence[int], cclo_idx: int,
+                  ) -> tuple[Callable[[int], Device], int | None]:
+    """How to open one rank's device, and the eager threshold it needs (None: default)."""
+    if device == "emulator":
+        def emulator(rank: int) -> Device:
+            return EmulatorDevice(rank, port=emulator_port, protocol=emulator_protocol)
+
+        # the firmware's TCP and UDP stacks cannot do rendezvous: every message is eager
+        return emulator, EAGER_ONLY
+    if xclbin is None:
+        raise ValueError(f"device={device!r} needs xclbin=, the bitstream with ACCL's CCLO")
+
+    def board(rank: int) -> int:
+        return board_idx[rank] if isinstance(board_idx, Sequence) else board_idx + rank
+
+    if device == "xrt":
+        from ..devices._xrt import XRTDevice
+
+        return (lambda rank: XRTDevice(xclbin, device_index=board(rank), cclo_index=cclo_idx)), None
+    from ..devices._pynq import PynqDevice
+
+    return (lambda rank: PynqDevice(xclbin, device_index=board(rank), cclo_index=cclo_idx)), None
+
+
+@asynccontextmanager
+async def _device_world(world_size: int | None, make: Callable[[int], Device], nbufs: int,
+                        bufsize: int, timeout: float, max_eager_size: int | None = None,
+                        addresses: Sequence[tuple[str, int]] | None = None,
+                        ) -> AsyncIterator[list[ACCL]]:
+    """A world on devices that are networked already (the emulator, hardware): this
+    process's ranks are all of them, or its own under mpiexec. The ranks are
+    configured at once, since each configuration is hundreds of register writes."""
+    job = _mpi_rank_and_size()
+    if job is not None and job[1] > 1:
+        mine, size = [job[0]], job[1]
+        if world_size is not None and world_size != size:
+            raise ValueError(f"world_size={world_size}, but this MPI job has {size} processes")
+    elif world_size is None:
+        raise ValueError("world_size is needed outside mpiexec (ranks as tasks of this process)")
+    else:
+        mine, size = list(range(world_size)), world_size
+    if addresses is not None and len(addresses) != size:
+        raise ValueError(f"addresses has {len(addresses)} entries for a world of {size} ranks")
+    ranks = _ranks(size, bufsize, addresses)
+    opened: dict[int, ACCL] = {}
+    failed: dict[int, Exception] = {}
+
+    async def open_rank(rank: int) -> None:
+        try:
+            dev = await anyio.to_thread.run_sync(make, rank)
+            opened[rank] = await _open(dev, rank, ranks, nbufs, bufsize, timeout, max_eager_size)
+        except Exception as error:
+            failed[rank] = error
+
+    try:
+        async with anyio.create_task_group() as tasks:
+            for rank in mine:
+                tasks.start_soon(open_rank, rank)
+        if failed:  # one clear error, not a group of the same one per rank
+            raise failed[min(failed)]
+        yield [opened[rank] for rank in mine]
+    finally:
+        with anyio.CancelScope(shield=True):
+            for accl in opened.values():
+                await accl.aclose()
+
+
+async def _open(dev: Device, rank: int, ranks: list[xm.RankRecord], nbufs: int,
+                bufsize: int, timeout: float, max_eager_size: int | None = None) -> ACCL:
+    driver = Driver(dev, rank, ranks, nbufs=nbufs, bufsize=bufsize, timeout=timeout,
+                    max_eager_size=max_eager_size)
     try:
         return await ACCL.open(driver)
     except BaseException:

@@ -12,12 +12,14 @@ does.
 ACCL's firmware keeps its receive timeout but never acts on it: a call whose peer
 never comes spins in the firmware forever. The device enforces the configured
 timeout on the host: the call fails with RECEIVE_TIMEOUT_ERROR, and until the
-emulator finishes it (if ever) later calls fail at once with `EmulatorStuck`.
+emulator finishes it (if ever) later calls fail at once with `DeviceStuck`.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import logging
 import queue
 import threading
@@ -29,7 +31,7 @@ import numpy as np
 
 from .. import _exchmem as xm
 from .._constants import ConfigFunction, ErrorCode, Scenario
-from .._errors import ACCLError
+from .._errors import DeviceError, DeviceStuck
 from ._base import CallArgs, DeviceCall
 from ._heap import Heap
 from ._hostdeps import start_after
@@ -38,22 +40,17 @@ log = logging.getLogger("aaccl")
 
 DEFAULT_PORT = 5500  # cclo_emu's and ACCL's run.py default start port
 PROTOCOLS = ("tcp", "udp")
+RENDEZVOUS_ONLY = frozenset({Scenario.BARRIER, Scenario.ALLTOALL})
+"""Calls ACCL's firmware always runs with rendezvous, whatever their size."""
+EAGER_ONLY = 1 << 30
+"""Eager threshold for the emulator: its TCP and UDP stacks cannot do rendezvous."""
 REPLY_TIMEOUT = 30.0
 """Seconds one request may take before the emulator counts as gone."""
+CONNECT_TIMEOUT = 5.0
+"""Seconds the first request may take: the emulator's many busy threads make it slow."""
 CHUNK = 1 << 20
 """Bytes per memory request: the protocol sends every byte as a JSON number."""
 _START, _POLL, _MMIO_READ, _MMIO_WRITE, _MEM_READ, _MEM_WRITE, _MEM_ALLOC = 5, 6, 0, 1, 2, 3, 4
-
-
-class EmulatorError(ACCLError):
-    """ACCL's emulator did not answer, or refused a request."""
-
-
-class EmulatorStuck(EmulatorError):
-    """The emulator is still running a call that timed out; it cannot take another."""
-
-
-EmulatorError.__module__ = EmulatorStuck.__module__ = "aaccl"
 
 
 class EmulatorDevice:
@@ -62,7 +59,8 @@ class EmulatorDevice:
     timer_hz = 250_000_000  # the CCLO's clock, in which the firmware counts its timeout
 
     def __init__(self, rank: int, *, port: int = DEFAULT_PORT, host: str = "127.0.0.1",
-                 protocol: str = "tcp", reply_timeout: float = REPLY_TIMEOUT) -> None:
+                 protocol: str = "tcp", reply_timeout: float = REPLY_TIMEOUT,
+                 connect_timeout: float = CONNECT_TIMEOUT) -> None:
         try:
             import zmq
         except ImportError:
@@ -75,11 +73,24 @@ class EmulatorDevice:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.REQ)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.RCVTIMEO, int(reply_timeout * 1000))
         self._socket.setsockopt(zmq.SNDTIMEO, int(reply_timeout * 1000))
         self._socket.connect(self.endpoint)
         self._lock = threading.Lock()  # one request in flight on a REQ socket
-        self._gone: EmulatorError | None = None
+        self._gone: DeviceError | None = None
+        # ZMQ connects lazily: ask for the hardware ID now, so a missing emulator is a
+        # prompt error rather than a stalled first call
+        self._socket.setsockopt(zmq.RCVTIMEO, int(connect_timeout * 1000))
+        try:
+            self.mmio_read(xm.HWID)
+        except DeviceError:
+            self._socket.close(linger=0)
+            self._context.term()
+            raise DeviceError(
+                f"no ACCL emulator answers at {self.endpoint} (rank {rank}) within "
+                f"{connect_timeout:g} s. Start one cclo_emu per rank with this start port, "
+                f"e.g. `cclo_emu -s <world size> -r {rank} -p {port} -c {protocol}` "
+                "(see docs/emulator.md)") from None
+        self._socket.setsockopt(zmq.RCVTIMEO, int(reply_timeout * 1000))
         self._heap = Heap(alignment=64, size=(1 << 31) - 4096)  # the server keeps addresses in an int
         self._call_timeout = 10.0
         self._stuck_since: float | None = None
@@ -98,19 +109,15 @@ class EmulatorDevice:
                 self._socket.send_string(json.dumps(request, separators=(",", ":")))
                 reply = json.loads(self._socket.recv_string())
             except self._zmq.Again:
-                self._gone = EmulatorError(
+                self._gone = DeviceError(
                     f"ACCL's emulator at {self.endpoint} (rank {self.rank}) did not answer: "
                     "is cclo_emu running for this rank, with this start port?")
                 raise self._gone from None
         status = reply.get("status", 1)
         if status != 0 and request["type"] != _POLL:
-            raise EmulatorError(f"ACCL's emulator refused request {request['type']} "
+            raise DeviceError(f"ACCL's emulator refused request {request['type']} "
                                 f"(status {status}): {json.dumps(request)[:120]}")
         return reply
-
-    def probe(self) -> int:
-        """The hardware ID the firmware reports (raises EmulatorError if it is not there)."""
-        return self.mmio_read(xm.HWID)
 
     # -- exchange memory and device memory ----------------------------------------------
 
@@ -149,23 +156,32 @@ class EmulatorDevice:
     def start(self, args: CallArgs, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
         if args.scenario == Scenario.CONFIG and args.function == ConfigFunction.SET_TIMEOUT:
             self._call_timeout = args.count / self.timer_hz
-        return start_after(DeviceCall(args), waitfor, self._queue.put)
+        call = DeviceCall(args)
+        if args.scenario in RENDEZVOUS_ONLY:
+            # the firmware runs these through rendezvous notifications, which its TCP and
+            # UDP stacks never deliver: the call would spin until the emulator restarts
+            name = Scenario(args.scenario).name.lower()
+            call.complete(error=DeviceError(
+                f"ACCL's firmware cannot run {name} over the emulator's {self.protocol} stack "
+                "(it needs the rendezvous protocol of an RDMA stack)"))
+            return call
+        return start_after(call, waitfor, self._queue.put)
 
     def _run_calls(self) -> None:
         while (call := self._queue.get()) is not None:
             try:
                 self._execute(call)
-            except EmulatorError as error:
+            except DeviceError as error:
                 if not call.done():
                     call.complete(error=error)
             except Exception as error:  # a bug here must not strand the caller
                 log.exception("emulator rank %d: call %s failed unexpectedly", self.rank, call.args)
                 if not call.done():
-                    call.complete(error=EmulatorError(f"internal error: {error!r}"))
+                    call.complete(error=DeviceError(f"internal error: {error!r}"))
 
     def _execute(self, call: DeviceCall) -> None:
         if self._stuck_since is not None and not self._unstuck():
-            call.complete(error=EmulatorStuck(
+            call.complete(error=DeviceStuck(
                 f"ACCL's emulator (rank {self.rank}) is still running a call that timed out "
                 f"{time.monotonic() - self._stuck_since:.1f} s ago; its firmware cannot "
                 "abandon a call, so restart cclo_emu"))
@@ -211,3 +227,19 @@ class EmulatorDevice:
         with self._lock:
             self._socket.close(linger=0)
             self._context.term()
+
+
+def available(port: int = DEFAULT_PORT, host: str = "127.0.0.1") -> tuple[bool, str]:
+    """Whether an emulator answers at `port` (its rank 0), and a sentence saying why (not)."""
+    try:
+        import zmq  # noqa: F401
+    except ImportError:
+        return False, "pyzmq is not installed: pip install 'aaccl[emulator]'"
+    binary = os.environ.get("AACCL_EMULATOR") or shutil.which("cclo_emu")
+    built = f"cclo_emu at {binary}" if binary else "no cclo_emu binary named by AACCL_EMULATOR or on PATH"
+    try:
+        EmulatorDevice(0, port=port, host=host, connect_timeout=1.0).close()
+    except DeviceError:
+        return False, (f"no emulator answers at tcp://{host}:{port} ({built}; "
+                       "see docs/emulator.md to build and start one)")
+    return True, f"an emulator answers at tcp://{host}:{port} ({built})"
