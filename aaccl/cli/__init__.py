@@ -1,4 +1,4 @@
-"""aaccl's command line: `aaccl launch -n 4 app.py`."""
+"""aaccl's command line: `aaccl launch -n 4 app.py`, `aaccl info`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from . import _info
 from ._launch import command, find_mpiexec, launch
 
 __all__ = ["command", "find_mpiexec", "launch", "main"]
@@ -24,7 +25,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--mpiexec", help="the mpiexec to use (default: the installed one)")
     run.add_argument("program", nargs=argparse.REMAINDER,
                      help="script and its arguments (or -m module ...)")
+    info = commands.add_parser(
+        "info", help="list the devices this machine can drive, and why others are out",
+        description="List aaccl's devices (soft CCLO, MPI, ACCL's emulator, XRT, PYNQ): "
+                    "which are usable here, and why the others are not.")
+    info.add_argument("--emulator-port", type=int, default=5500,
+                      help="start port of a running cclo_emu to look for (default 5500)")
+    info.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
+    if args.command == "info":
+        print(_info.render(_info.report(args.emulator_port), args.json))
+        return 0
     if args.program[:1] == ["--"]:  # `aaccl launch -n 2 -- -m package.module`
         args.program = args.program[1:]
     if args.nprocs < 1:
