@@ -16,6 +16,7 @@ import anyio
 import numpy as np
 import pytest
 
+import aaccl
 from aaccl import CCLOError, DependencyError, ErrorCode
 from aaccl import _exchmem as xm
 from aaccl._constants import TAG_ANY, ConfigFunction, Scenario
@@ -389,6 +390,31 @@ async def test_copy_end_to_end(fake: Fake, devices: Any) -> None:
         await accl.aclose()
     # the driver's rx buffers and spares, then (on close) the buffers still in use
     assert sorted(fake.of("freebuffer")) == sorted((a,) for *_, a in fake.of("allocate"))
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_world_on_cards_through_aaccl_run(make_fake: Callable[..., Fake], backend: str) -> None:
+    """open_world(device="pynq") opens one card per rank and writes the addresses given."""
+    fake = make_fake(cards=2)
+    async def main(accl: aaccl.ACCL) -> list[float]:
+        src = accl.allocate((16,), np.float32)
+        dst = accl.allocate((16,), np.float32)
+        src[:] = accl.rank + 0.5
+        await accl.copy(src, dst, 16)
+        return dst.tolist()
+
+    addresses = [("10.1.212.101", 5001), ("10.1.212.102", 5002)]
+    results = aaccl.run(main, 2, backend=backend, device="pynq", xclbin=XCLBIN, nbufs=4,
+                        addresses=addresses)
+    assert results == [[0.5] * 16, [1.5] * 16]
+    # each card's CCLO got the whole communicator: both ranks' IP addresses
+    for ip in (0x0A01D465, 0x0A01D466):
+        assert any(write[-1] == ip for write in fake.of("write")), hex(ip)
+
+
+def test_hardware_worlds_need_an_xclbin() -> None:
+    with pytest.raises(ValueError, match="xclbin"):
+        aaccl.run(lambda accl: accl.nop(), 1, device="pynq")
 
 
 # -- PYNQ missing or unfit -----------------------------------------------------------------------
