@@ -91,10 +91,14 @@ class EmulatorDevice:
                 f"e.g. `cclo_emu -s <world size> -r {rank} -p {port} -c {protocol}` "
                 "(see docs/emulator.md)") from None
         self._socket.setsockopt(zmq.RCVTIMEO, int(reply_timeout * 1000))
-        self._heap = Heap(alignment=64, size=(1 << 31) - 4096)  # the server keeps addresses in an int
+        # the server computes addr + len in an int: every range must end below 2**31
+        self._heap = Heap(alignment=64, size=(1 << 31) - 4096 - 64)
         self._call_timeout = 10.0
         self._stuck_since: float | None = None
+        self._drained = False  # see _drain_completions
         self._queue: queue.SimpleQueue[DeviceCall | None] = queue.SimpleQueue()
+        self._closed = False
+        self._closing = threading.Lock()  # no call is queued behind close's sentinel
         self._runner = threading.Thread(target=self._run_calls, daemon=True,
                                         name=f"aaccl-emulator-{rank}")
         self._runner.start()
@@ -129,7 +133,12 @@ class EmulatorDevice:
 
     def alloc(self, nbytes: int) -> int:
         address = self._heap.alloc(nbytes)
-        self._request({"type": _MEM_ALLOC, "addr": address, "len": max(nbytes, 1), "host": False})
+        try:
+            self._request({"type": _MEM_ALLOC, "addr": address, "len": max(nbytes, 1),
+                           "host": False})
+        except BaseException:
+            self._heap.free(address)
+            raise
         return address
 
     def free(self, address: int) -> None:
@@ -165,7 +174,14 @@ class EmulatorDevice:
                 f"ACCL's firmware cannot run {name} over the emulator's {self.protocol} stack "
                 "(it needs the rendezvous protocol of an RDMA stack)"))
             return call
-        return start_after(call, waitfor, self._queue.put)
+        return start_after(call, waitfor, self._enqueue)
+
+    def _enqueue(self, call: DeviceCall) -> None:
+        with self._closing:
+            if not self._closed:
+                self._queue.put(call)
+                return
+        call.complete(error=DeviceError(f"the emulator device of rank {self.rank} is closed"))
 
     def _run_calls(self) -> None:
         while (call := self._queue.get()) is not None:
@@ -180,6 +196,9 @@ class EmulatorDevice:
                     call.complete(error=DeviceError(f"internal error: {error!r}"))
 
     def _execute(self, call: DeviceCall) -> None:
+        if not self._drained:
+            self._drain_completions()
+            self._drained = True
         if self._stuck_since is not None and not self._unstuck():
             call.complete(error=DeviceStuck(
                 f"ACCL's emulator (rank {self.rank}) is still running a call that timed out "
@@ -187,6 +206,7 @@ class EmulatorDevice:
                 "abandon a call, so restart cclo_emu"))
             return
         a = call.args
+        call.mark_started()
         self._request({"type": _START, "ctrl_id": 0, "scenario": a.scenario, "count": a.count,
                        "comm": a.comm, "root_src_dst": a.root_src_dst, "function": a.function,
                        "tag": a.tag, "arithcfg": a.arithcfg,
@@ -202,6 +222,20 @@ class EmulatorDevice:
                     "keeps running it", self.rank, Scenario(a.scenario).name.lower())
         self._stuck_since = time.monotonic()
         call.complete(retcode=int(ErrorCode.RECEIVE_TIMEOUT_ERROR))
+
+    def _drain_completions(self) -> None:
+        """Pop completions an earlier client left in the firmware's status queue (it was
+        killed mid-call, or closed after a call timed out that finished later): each
+        would be taken for the next call's, putting every later call one completion
+        early. Done before this device's first call, not on connecting, so that a
+        probe (`available`) never takes a running client's completion."""
+        for _ in range(1024):
+            if self._request({"type": _POLL, "ctrl_id": 0})["status"] != 0:
+                return
+            log.warning("emulator rank %d: dropped a call's completion that an earlier "
+                        "client left behind", self.rank)
+        raise DeviceError(f"ACCL's emulator at {self.endpoint} (rank {self.rank}) reports "
+                          "completions without end")
 
     def _wait_done(self, deadline: float) -> bool:
         """Poll the call in the firmware until it completes (True) or `deadline` (False)."""
@@ -222,9 +256,14 @@ class EmulatorDevice:
         return True
 
     def close(self) -> None:
-        self._queue.put(None)
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
         self._runner.join(timeout=REPLY_TIMEOUT)
         with self._lock:
+            self._gone = DeviceError(f"the emulator device of rank {self.rank} is closed")
             self._socket.close(linger=0)
             self._context.term()
 
