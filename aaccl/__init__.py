@@ -14,6 +14,7 @@ from ._constants import (
     StreamFlags,
 )
 from ._errors import ACCLError, CCLOError, DependencyError, DeviceError, DeviceStuck
+from ._trace import Trace, tracing
 from .api import ACCL, Buffer, Call, mpi_launched, open_world, run
 
 __version__ = "0.1.0"
@@ -21,5 +22,5 @@ __version__ = "0.1.0"
 __all__ = [
     "ACCL", "ACCLError", "Buffer", "CCLOError", "Call", "CompressionFlags", "DependencyError",
     "DeviceError", "DeviceStuck", "ErrorCode", "GLOBAL_COMM", "ReduceFunction", "StreamFlags", "TAG_ANY", "mpi_launched",
-    "open_world", "run",
+    "open_world", "run", "Trace", "tracing",
 ]

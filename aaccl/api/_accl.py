@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import anyio
 import numpy as np
 
+from .. import _trace
 from .._constants import GLOBAL_COMM, TAG_ANY, ReduceFunction, Scenario
+from ..devices import DeviceCall
 from ..driver import Driver
 from . import _bridge
 from . import _checks as check
@@ -127,6 +130,8 @@ class ACCL:
                 **call: Any) -> Call:
         self._check_open()
         deps = check.waitfor(waitfor, self)
+        trace = _trace.active()
+        submitted = time.perf_counter_ns() if trace is not None else 0
         for region in sync_in:
             region.sync_to_device()
         a0, a1, a2 = (0 if b is None else b.device_address for b in buffers)
@@ -134,6 +139,8 @@ class ACCL:
                                          waitfor=[d._device for d in deps],
                                          **call)
         self._ncalls += 1
+        if trace is not None:
+            self._record(trace, op, device_call, submitted)
         finish = None if sync_out is None else sync_out.sync_from_device
         result = Call(f"{op} (rank {self._rank}, call {self._ncalls})", self, device_call, deps,
                       finish, self._forget, tuple(b for b in buffers if b is not None))
@@ -141,6 +148,21 @@ class ACCL:
             if not result.done():
                 self._outstanding.add(result)
         return result
+
+    def _record(self, trace: _trace.Trace, op: str, device_call: DeviceCall,
+                submitted: int) -> None:
+        """Trace the host's submission (with its syncs) and, once it completes, the
+        call's run on the device."""
+        rank, number = self._rank, self._ncalls
+        trace.add(rank, "host", f"submit {op}", submitted, time.perf_counter_ns(), call=number)
+
+        def completed(dev: DeviceCall) -> None:
+            end = time.perf_counter_ns()
+            trace.add(rank, "cclo", op, dev.started or end, end, call=number,
+                      submitted_us=(submitted - trace.origin) / 1000,
+                      failed=dev.failed, count=dev.args.count)
+
+        device_call.add_done_callback(completed)
 
     def _forget(self, call: Call) -> None:
         with self._lock:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Generator
 from typing import Any
 
+from .. import _trace
 from .._errors import DependencyError
 from ..devices import DeviceCall
 from ..driver import Driver
@@ -87,7 +89,17 @@ class Call:
 
     def __await__(self) -> Generator[Any, None, None]:
         if not self._finished:
-            yield from _bridge.wait(self._register).__await__()
+            trace = _trace.active()
+            if trace is None:
+                yield from _bridge.wait(self._register).__await__()
+            else:
+                began = time.perf_counter_ns()
+                try:
+                    yield from _bridge.wait(self._register).__await__()
+                finally:
+                    rank = getattr(self.owner, "rank", 0)
+                    trace.add(rank, "host", f"await {self.name.split(' (')[0]}", began,
+                              time.perf_counter_ns(), call=self.name)
         self._mark_retrieved()
         if self._error is not None:
             raise self._error

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
@@ -33,7 +34,8 @@ class DeviceCall:
     thread and must not block.
     """
 
-    __slots__ = ("args", "_lock", "_callbacks", "_event", "retcode", "aborted", "error")
+    __slots__ = ("args", "_lock", "_callbacks", "_event", "retcode", "aborted", "error",
+                 "started")
 
     def __init__(self, args: CallArgs) -> None:
         self.args = args
@@ -43,9 +45,14 @@ class DeviceCall:
         self.retcode = 0
         self.aborted = False  # a dependency failed, so the call never ran
         self.error: Exception | None = None  # the device could not run the call at all
+        self.started = 0  # perf_counter_ns when the device began running it (0: not yet)
 
     def done(self) -> bool:
         return self._callbacks is None
+
+    def mark_started(self) -> None:
+        """Devices call this when the call leaves their queue and begins to run."""
+        self.started = time.perf_counter_ns()
 
     @property
     def failed(self) -> bool:

@@ -190,6 +190,7 @@ class PynqDevice:
         """Start `call`'s run, after `deps` on the card. Runs on the caller's thread or a
         completion thread (through start_after): it must not block."""
         args = [int(a) for a in call.args]
+        call.mark_started()  # on the card's queue: with ERT chaining, it may wait there
         with self._lock:
             closed = self._closed
             # a dependency that ended meanwhile has no handle left: nothing to wait for

@@ -242,6 +242,7 @@ class XRTDevice:
                 f"{time.monotonic() - self._stuck_since:.1f} s ago; its firmware cannot "
                 "abandon a call, so reset the card (xbutil reset) or reload the xclbin"))
             return
+        call.mark_started()
         run = self._launch(call.args)
         limit = self.config_timeout if call.args.scenario == Scenario.CONFIG \
             else self._call_timeout + TIMEOUT_GRACE

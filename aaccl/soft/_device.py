@@ -114,6 +114,7 @@ class SoftDevice:
         return call
 
     def _dispatch(self, call: DeviceCall, ticket: object) -> None:
+        call.mark_started()
         args = call.args
         if args.scenario == Scenario.NOP:
             call.complete(0)  # nothing to wait for: complete on the spot
