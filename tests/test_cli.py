@@ -68,3 +68,81 @@ def test_launch_forwards_the_jobs_exit_code(tmp_path: Path) -> None:
     ok = subprocess.run([sys.executable, "-m", "aaccl", "launch", "-n", "2", "--", "-c",
                          "pass"], timeout=120)
     assert ok.returncode == 0
+
+
+# -- aaccl info ----------------------------------------------------------------------------
+
+INFO_DEVICES = ["soft", "soft over MPI", "emulator", "xrt", "pynq"]
+
+
+@pytest.fixture
+def no_cards(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make pyxrt and pynq fail to import, as on a machine without them (this one)."""
+    monkeypatch.setitem(sys.modules, "pyxrt", None)
+    monkeypatch.setitem(sys.modules, "pynq", None)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _text_rows(out: str) -> dict[str, tuple[str, str]]:
+    """`aaccl info`'s table: device (padded), yes/no, detail."""
+    width = max(map(len, INFO_DEVICES))
+    lines = out.strip().splitlines()
+    assert [line[:width].rstrip() for line in lines] == INFO_DEVICES
+    return {line[:width].rstrip(): (line[width + 2:width + 5].strip(), line[width + 5:].strip())
+            for line in lines}
+
+
+def _check_unavailable_cards(xrt: str, pynq: str) -> None:
+    assert "pyxrt" in xrt and "install XRT" in xrt
+    assert "pynq 3.0.1" in pynq and "pip install 'aaccl[pynq]'" in pynq
+
+
+def test_info_lists_every_device_and_finds_a_running_emulator(
+        capsys: pytest.CaptureFixture[str], no_cards: None) -> None:
+    pytest.importorskip("zmq")
+    from test_emulator_protocol import FakeEmulator
+
+    fake = FakeEmulator()
+    try:
+        assert main(["info", "--emulator-port", str(fake.port)]) == 0
+    finally:
+        fake.close()
+    rows = _text_rows(capsys.readouterr().out)
+    assert rows["soft"][0] == "yes"
+    assert rows["emulator"] == ("yes", rows["emulator"][1])
+    assert f"tcp://127.0.0.1:{fake.port}" in rows["emulator"][1]
+    assert rows["xrt"][0] == rows["pynq"][0] == "no"
+    _check_unavailable_cards(rows["xrt"][1], rows["pynq"][1])
+    mpi, why = rows["soft over MPI"]
+    assert mpi in ("yes", "no") and ("mpi4py" in why)
+
+
+def test_info_json_without_an_emulator(capsys: pytest.CaptureFixture[str], no_cards: None,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    pytest.importorskip("zmq")
+    from aaccl.devices import _emulator
+
+    real = _emulator.EmulatorDevice  # wait 0.2 s, not `available`'s 1 s, for no answer
+    monkeypatch.setattr(_emulator, "EmulatorDevice",
+                        lambda *a, **kw: real(*a, **{**kw, "connect_timeout": 0.2}))
+    port = _free_port()
+    assert main(["info", "--json", "--emulator-port", str(port)]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [row["device"] for row in rows] == INFO_DEVICES
+    assert all(set(row) == {"device", "available", "detail"} and isinstance(row["available"], bool)
+               and row["detail"] for row in rows)
+    by = {row["device"]: row for row in rows}
+    assert by["soft"]["available"] is True
+    assert by["emulator"]["available"] is False
+    assert f"no emulator answers at tcp://127.0.0.1:{port}" in by["emulator"]["detail"]
+    assert by["xrt"]["available"] is by["pynq"]["available"] is False
+    _check_unavailable_cards(by["xrt"]["detail"], by["pynq"]["detail"])

@@ -1,4 +1,5 @@
-"""aaccl's command line: `aaccl launch -n 4 app.py`, `aaccl info`."""
+"""aaccl's command line: `aaccl launch -n 4 app.py`, `aaccl info`, `aaccl bench`,
+`aaccl trace plot`."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import _info
+from . import _bench, _info
 from ._launch import command, find_mpiexec, launch
 
 __all__ = ["command", "find_mpiexec", "launch", "main"]
@@ -32,7 +33,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     info.add_argument("--emulator-port", type=int, default=5500,
                       help="start port of a running cclo_emu to look for (default 5500)")
     info.add_argument("--json", action="store_true", help="machine-readable output")
+    bench = commands.add_parser(
+        "bench", help="sweep message sizes over the collectives, like nccl-tests",
+        description="Time every collective over a range of sizes on device-resident "
+                    "buffers and check the results against numpy; prints nccl-tests' "
+                    "table (algbw, busbw, #wrong). Under mpiexec (aaccl launch -n N -m "
+                    "aaccl bench ...), each process runs its own rank and rank 0 prints. "
+                    "Exits with 1 if any result is wrong.")
+    _bench.add_arguments(bench)
+    trace = commands.add_parser("trace", help="work with call timelines (aaccl.tracing)")
+    trace_commands = trace.add_subparsers(dest="trace_command", required=True)
+    draw = trace_commands.add_parser(
+        "plot", help="draw a trace as a PNG timeline",
+        description="Draw a Chrome/Perfetto trace written by aaccl.tracing(path) as a PNG "
+                    "timeline: one row per rank and lane, one colour per operation.")
+    draw.add_argument("trace", help="the trace JSON")
+    draw.add_argument("-o", "--output", default="timeline.png", help="the PNG to write")
+    draw.add_argument("--title", help="the plot's title (default: the trace's file name)")
     args = parser.parse_args(argv)
+    if args.command == "trace":
+        from ._plot import plot
+
+        try:
+            plot(args.trace, args.output, args.title)
+        except (ImportError, OSError, ValueError) as error:
+            print(f"aaccl trace plot: {error}", file=sys.stderr)
+            return 1
+        print(f"wrote {args.output}")
+        return 0
+    if args.command == "bench":
+        return _bench.main(args, bench)
     if args.command == "info":
         print(_info.render(_info.report(args.emulator_port), args.json))
         return 0
