@@ -35,6 +35,7 @@ from .._errors import DeviceError, DeviceStuck
 from ._base import CallArgs, DeviceCall
 from ._heap import Heap
 from ._hostdeps import start_after
+from ._poll import poll
 
 log = logging.getLogger("aaccl")
 
@@ -239,13 +240,10 @@ class EmulatorDevice:
 
     def _wait_done(self, deadline: float) -> bool:
         """Poll the call in the firmware until it completes (True) or `deadline` (False)."""
-        delay = 0.0
-        while self._request({"type": _POLL, "ctrl_id": 0})["status"] != 0:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(delay)
-            delay = min(2 * delay or 20e-6, 2e-3)
-        return True
+        def finished() -> bool | None:
+            return True if self._request({"type": _POLL, "ctrl_id": 0})["status"] == 0 else None
+
+        return poll(finished, deadline) is not None
 
     def _unstuck(self) -> bool:
         """True once the firmware has finished the call that timed out."""

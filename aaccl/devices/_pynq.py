@@ -47,6 +47,7 @@ from .._constants import ConfigFunction, ErrorCode, Scenario
 from .._errors import DeviceError
 from ._base import CallArgs, DeviceCall
 from ._hostdeps import start_after
+from ._poll import FIRST_SLEEP, LONGEST_SLEEP
 
 log = logging.getLogger("aaccl")
 
@@ -59,9 +60,6 @@ WAITLIST_XRT = ((2, 3, 0), (2, 11, 0))
 PYNQ refuses `waitfor` from 2.11 on (pynq/pl_server/xrt_device.py)."""
 CONFIG_TIMEOUT = 30.0
 """Seconds a configuration call may take: it waits for no peer."""
-POLL_MIN, POLL_MAX = 20e-6, 2e-3
-"""The completion thread's sleeps between looks at the card: short while calls end,
-growing while they run."""
 
 
 class _Run:
@@ -238,7 +236,7 @@ class PynqDevice:
                               self.device_index, self.cclo_index)
                 self._fail_all(DeviceError(f"internal error: {error!r}"))
                 continue
-            delay = 0.0 if changed else min(2 * delay or POLL_MIN, POLL_MAX)
+            delay = 0.0 if changed else min(2 * delay or FIRST_SLEEP, LONGEST_SLEEP)
             self._wake.wait(delay)
 
     def _poll(self) -> bool:

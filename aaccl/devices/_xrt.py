@@ -43,6 +43,7 @@ from .._constants import ConfigFunction, ErrorCode, Scenario
 from .._errors import DeviceError, DeviceStuck
 from ._base import CallArgs, DeviceCall
 from ._hostdeps import start_after
+from ._poll import poll
 
 log = logging.getLogger("aaccl")
 
@@ -284,13 +285,11 @@ class XRTDevice:
         RUNNING has no name in pyxrt's enum, so pending is whatever is neither
         completed nor failed.
         """
-        delay = 0.0
-        while (state := run.state()) != self._completed and state not in self._failed:
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(delay)
-            delay = min(2 * delay or 20e-6, 2e-3)
-        return state
+        def ended() -> Any:
+            state = run.state()
+            return state if state == self._completed or state in self._failed else None
+
+        return poll(ended, deadline)
 
     def _unstuck(self) -> bool:
         """True once the card has finished the call that timed out."""
