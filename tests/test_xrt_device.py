@@ -18,7 +18,7 @@ from aaccl import CCLOError, DependencyError, ErrorCode
 from aaccl._constants import TAG_ANY, ConfigFunction, Scenario
 from aaccl.api import ACCL, Buffer
 from aaccl.devices import CallArgs, DeviceCall
-from aaccl.devices import _xrt
+from aaccl.devices import _serial, _xrt
 from aaccl import DeviceError, DeviceStuck
 from aaccl.devices._xrt import INSTALL_HINT, XRTDevice, available
 from aaccl.driver import Driver
@@ -310,7 +310,7 @@ def test_a_retcode_becomes_a_cclo_error(fake: FakeXRT, device: XRTDevice) -> Non
 
 def test_a_timeout_fails_the_call_then_fails_fast_until_the_card_finishes(
         fake: FakeXRT, device: XRTDevice, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_xrt, "TIMEOUT_GRACE", 0.05)
+    monkeypatch.setattr(_serial, "TIMEOUT_GRACE", 0.05)
     driver = configured(device, timeout=0.1)
     fake.hanging.add(Scenario.RECV)
     began = time.monotonic()
@@ -338,7 +338,7 @@ def test_a_timeout_fails_the_call_then_fails_fast_until_the_card_finishes(
 
 def test_closing_keeps_a_run_the_card_still_runs(fake: FakeXRT, xclbin: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_xrt, "TIMEOUT_GRACE", 0.0)
+    monkeypatch.setattr(_serial, "TIMEOUT_GRACE", 0.0)
     monkeypatch.setattr(_xrt, "_unfinished_runs", [])
     dev = XRTDevice(xclbin)
     configured(dev, timeout=0.01)

@@ -3,39 +3,30 @@
 Each emulated rank answers JSON requests on a ZMQ REP socket at start port + rank
 (Xilinx/ACCL test/model/zmq): exchange-memory reads and writes, device-memory
 allocation, reads and writes, a call's start, and polls for its completion. The
-firmware runs one call at a time and cannot take a wait list, so this device keeps
-its calls in one host-side queue, starts each when its dependencies succeeded
-(`start_after`) and the previous call finished, and reads the return code from the
-exchange memory before the next call can overwrite it — as ACCL's own SimDevice
-does.
-
-ACCL's firmware keeps its receive timeout but never acts on it: a call whose peer
-never comes spins in the firmware forever. The device enforces the configured
-timeout on the host: the call fails with RECEIVE_TIMEOUT_ERROR, and until the
-emulator finishes it (if ever) later calls fail at once with `DeviceStuck`.
+firmware runs one call at a time and cannot take a wait list, so calls go through
+`SerialDevice`'s host-side queue, which also enforces the timeout the firmware
+never acts on (a call whose peer never comes spins in the firmware forever).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
-import logging
-import queue
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from .. import _exchmem as xm
-from .._constants import ConfigFunction, ErrorCode, Scenario
-from .._errors import DeviceError, DeviceStuck
+from .._constants import Scenario
+from .._errors import DeviceError
 from ._base import CallArgs, DeviceCall
 from ._heap import Heap
-from ._hostdeps import start_after
 from ._poll import poll
+from ._serial import SerialDevice
 
 log = logging.getLogger("aaccl")
 
@@ -54,10 +45,11 @@ CHUNK = 1 << 20
 _START, _POLL, _MMIO_READ, _MMIO_WRITE, _MEM_READ, _MEM_WRITE, _MEM_ALLOC = 5, 6, 0, 1, 2, 3, 4
 
 
-class EmulatorDevice:
+class EmulatorDevice(SerialDevice):
     """One rank of a running `cclo_emu` world, driven over ZMQ."""
 
-    timer_hz = 250_000_000  # the CCLO's clock, in which the firmware counts its timeout
+    config_timeout = REPLY_TIMEOUT
+    stuck_remedy = "restart cclo_emu"
 
     def __init__(self, rank: int, *, port: int = DEFAULT_PORT, host: str = "127.0.0.1",
                  protocol: str = "tcp", reply_timeout: float = REPLY_TIMEOUT,
@@ -94,15 +86,11 @@ class EmulatorDevice:
         self._socket.setsockopt(zmq.RCVTIMEO, int(reply_timeout * 1000))
         # the server computes addr + len in an int: every range must end below 2**31
         self._heap = Heap(alignment=64, size=(1 << 31) - 4096 - 64)
-        self._call_timeout = 10.0
-        self._stuck_since: float | None = None
         self._drained = False  # see _drain_completions
-        self._queue: queue.SimpleQueue[DeviceCall | None] = queue.SimpleQueue()
-        self._closed = False
-        self._closing = threading.Lock()  # no call is queued behind close's sentinel
-        self._runner = threading.Thread(target=self._run_calls, daemon=True,
-                                        name=f"aaccl-emulator-{rank}")
-        self._runner.start()
+        self._start_runner(f"aaccl-emulator-{rank}")
+
+    def __repr__(self) -> str:
+        return f"<EmulatorDevice rank {self.rank} at {self.endpoint}>"
 
     # -- the wire -----------------------------------------------------------------------
 
@@ -164,65 +152,23 @@ class EmulatorDevice:
     # -- calls --------------------------------------------------------------------------
 
     def start(self, args: CallArgs, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
-        if args.scenario == Scenario.CONFIG and args.function == ConfigFunction.SET_TIMEOUT:
-            self._call_timeout = args.count / self.timer_hz
+        if args.scenario not in RENDEZVOUS_ONLY:
+            return super().start(args, waitfor)
+        # the firmware runs these through rendezvous notifications, which its TCP and UDP
+        # stacks never deliver: the call would spin until the emulator restarts
         call = DeviceCall(args)
-        if args.scenario in RENDEZVOUS_ONLY:
-            # the firmware runs these through rendezvous notifications, which its TCP and
-            # UDP stacks never deliver: the call would spin until the emulator restarts
-            name = Scenario(args.scenario).name.lower()
-            call.complete(error=DeviceError(
-                f"ACCL's firmware cannot run {name} over the emulator's {self.protocol} stack "
-                "(it needs the rendezvous protocol of an RDMA stack)"))
-            return call
-        return start_after(call, waitfor, self._enqueue)
+        call.complete(error=DeviceError(
+            f"ACCL's firmware cannot run {Scenario(args.scenario).name.lower()} over the "
+            f"emulator's {self.protocol} stack (it needs the rendezvous protocol of an RDMA "
+            "stack)"))
+        return call
 
-    def _enqueue(self, call: DeviceCall) -> None:
-        with self._closing:
-            if not self._closed:
-                self._queue.put(call)
-                return
-        call.complete(error=DeviceError(f"the emulator device of rank {self.rank} is closed"))
-
-    def _run_calls(self) -> None:
-        while (call := self._queue.get()) is not None:
-            try:
-                self._execute(call)
-            except DeviceError as error:
-                if not call.done():
-                    call.complete(error=error)
-            except Exception as error:  # a bug here must not strand the caller
-                log.exception("emulator rank %d: call %s failed unexpectedly", self.rank, call.args)
-                if not call.done():
-                    call.complete(error=DeviceError(f"internal error: {error!r}"))
-
-    def _execute(self, call: DeviceCall) -> None:
+    def _launch(self, args: CallArgs) -> None:
         if not self._drained:
             self._drain_completions()
             self._drained = True
-        if self._stuck_since is not None and not self._unstuck():
-            call.complete(error=DeviceStuck(
-                f"ACCL's emulator (rank {self.rank}) is still running a call that timed out "
-                f"{time.monotonic() - self._stuck_since:.1f} s ago; its firmware cannot "
-                "abandon a call, so restart cclo_emu"))
-            return
-        a = call.args
-        call.mark_started()
-        self._request({"type": _START, "ctrl_id": 0, "scenario": a.scenario, "count": a.count,
-                       "comm": a.comm, "root_src_dst": a.root_src_dst, "function": a.function,
-                       "tag": a.tag, "arithcfg": a.arithcfg,
-                       "compression_flags": a.compression_flags, "stream_flags": a.stream_flags,
-                       "addr_0": a.addr_0, "addr_1": a.addr_1, "addr_2": a.addr_2})
-        deadline = time.monotonic() + self._call_timeout + 1.0
-        if a.scenario == Scenario.CONFIG:
-            deadline = time.monotonic() + REPLY_TIMEOUT
-        if self._wait_done(deadline):
-            call.complete(retcode=self.mmio_read(xm.RETCODE))
-            return
-        log.warning("emulator rank %d: %s did not finish within the timeout; the firmware "
-                    "keeps running it", self.rank, Scenario(a.scenario).name.lower())
-        self._stuck_since = time.monotonic()
-        call.complete(retcode=int(ErrorCode.RECEIVE_TIMEOUT_ERROR))
+        # the request's fields are the 12 call arguments under ACCL's names
+        self._request({"type": _START, "ctrl_id": 0, **args._asdict()})
 
     def _drain_completions(self) -> None:
         """Pop completions an earlier client left in the firmware's status queue (it was
@@ -238,28 +184,16 @@ class EmulatorDevice:
         raise DeviceError(f"ACCL's emulator at {self.endpoint} (rank {self.rank}) reports "
                           "completions without end")
 
-    def _wait_done(self, deadline: float) -> bool:
-        """Poll the call in the firmware until it completes (True) or `deadline` (False)."""
+    def _wait(self, handle: None, deadline: float) -> bool | None:
+        """Poll the firmware's one call until it completes (True) or `deadline` (None)."""
         def finished() -> bool | None:
             return True if self._request({"type": _POLL, "ctrl_id": 0})["status"] == 0 else None
 
-        return poll(finished, deadline) is not None
-
-    def _unstuck(self) -> bool:
-        """True once the firmware has finished the call that timed out."""
-        if not self._wait_done(time.monotonic()):
-            return False
-        log.info("emulator rank %d: the call that timed out finished after all", self.rank)
-        self._stuck_since = None
-        return True
+        return poll(finished, deadline)
 
     def close(self) -> None:
-        with self._closing:
-            if self._closed:
-                return
-            self._closed = True
-            self._queue.put(None)
-        self._runner.join(timeout=REPLY_TIMEOUT)
+        if not self._stop_runner():
+            return
         with self._lock:
             self._gone = DeviceError(f"the emulator device of rank {self.rank} is closed")
             self._socket.close(linger=0)

@@ -7,14 +7,9 @@ call ABI (Xilinx/ACCL driver/utils/accl_network_utils, driver/xrt). Device memor
 is XRT buffer objects in the memory bank the CCLO's data movers reach.
 
 XRT 2.11 and later start runs without wait lists, and every call leaves its result
-in the one RETCODE register, so this device does what ACCL's XRTDevice does: one
-host-side queue, one call at a time, the return code read before the next call
-starts; dependencies are resolved on the host (`start_after`).
-
-ACCL's firmware keeps its receive timeout but never acts on it, so the device
-enforces the configured timeout on the host: the call fails with
-RECEIVE_TIMEOUT_ERROR, and until the kernel finishes it (if ever) later calls fail
-at once with `DeviceStuck`.
+in the one RETCODE register, so this device does what ACCL's XRTDevice does: calls
+go one at a time through `SerialDevice`'s host-side queue, which also enforces the
+timeout the firmware never acts on.
 
 Two limits of pyxrt shape this module (XRT src/python/pybind11/src/pyxrt.cpp):
 - it binds xrt::kernel but not xrt::ip, and the exchange memory is reachable only
@@ -29,21 +24,17 @@ from __future__ import annotations
 import bisect
 import logging
 import os
-import queue
 import threading
 import time
-from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from .. import _exchmem as xm
-from .._constants import ConfigFunction, ErrorCode, Scenario
-from .._errors import DeviceError, DeviceStuck
+from .._errors import DeviceError
 from ._base import CallArgs, DeviceCall
-from ._hostdeps import start_after
 from ._poll import poll
+from ._serial import SerialDevice
 
 log = logging.getLogger("aaccl")
 
@@ -51,8 +42,6 @@ INSTALL_HINT = ("the XRT device needs XRT's Python bindings (pyxrt): install XRT
                 "source /opt/xilinx/xrt/setup.sh")
 CONFIG_TIMEOUT = 30.0
 """Seconds a configuration call may take before the card counts as unresponsive."""
-TIMEOUT_GRACE = 1.0
-"""Seconds past the configured timeout before the host gives up on a call."""
 ADDRESS_ARGS = (9, 10, 11)
 """Indices of addr_0, addr_1, addr_2: hostctrl's only 64-bit arguments."""
 _WORD = 1 << 32
@@ -110,10 +99,10 @@ def _c_int(word: int) -> int:
     return word - _WORD if word >= 1 << 31 else word
 
 
-class XRTDevice:
+class XRTDevice(SerialDevice):
     """One CCLO of an xclbin on an Alveo card."""
 
-    timer_hz = 250_000_000  # the CCLO's clock, in which the firmware counts its timeout
+    stuck_remedy = "reset the card (xbutil reset) or reload the xclbin"
 
     def __init__(self, xclbin: str | os.PathLike[str], *, device_index: int = 0,
                  cclo_index: int = 0, memory_bank: int | None = None,
@@ -144,14 +133,7 @@ class XRTDevice:
         self._lock = threading.Lock()  # guards the buffer maps
         self._bos: dict[int, tuple[Any, int]] = {}  # address -> (buffer object, bytes)
         self._starts: list[int] = []  # the same addresses, sorted
-        self._call_timeout = 10.0
-        self._stuck: Any = None  # the run that timed out, while the card still runs it
-        self._stuck_since = 0.0
-        self._closed = False
-        self._queue: queue.SimpleQueue[DeviceCall | None] = queue.SimpleQueue()
-        self._runner = threading.Thread(target=self._run_calls, daemon=True,
-                                        name=f"aaccl-xrt-{device_index}.{cclo_index}")
-        self._runner.start()
+        self._start_runner(f"aaccl-xrt-{device_index}.{cclo_index}")
 
     def __repr__(self) -> str:
         return f"<XRTDevice card {self.device_index}, CCLO {self.cclo_index}>"
@@ -214,49 +196,11 @@ class XRTDevice:
 
     # -- calls ------------------------------------------------------------------------
 
-    def start(self, args: CallArgs, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
-        if args.scenario == Scenario.CONFIG and args.function == ConfigFunction.SET_TIMEOUT:
-            self._call_timeout = args.count / self.timer_hz
-        return start_after(DeviceCall(args), waitfor, self._enqueue)
-
-    def _enqueue(self, call: DeviceCall) -> None:
-        if self._closed:
-            call.complete(error=DeviceError(f"{self!r} is closed"))
-        else:
-            self._queue.put(call)
-
-    def _run_calls(self) -> None:
-        while (call := self._queue.get()) is not None:
-            try:
-                self._execute(call)
-            except Exception as error:  # XRT raises RuntimeError; a bug must not strand callers
-                if not isinstance(error, DeviceError):
-                    log.exception("%r: call %s failed", self, call.args)
-                    error = DeviceError(f"XRT failed the call: {error}")
-                if not call.done():
-                    call.complete(error=error)
-
-    def _execute(self, call: DeviceCall) -> None:
-        if self._stuck is not None and not self._unstuck():
-            call.complete(error=DeviceStuck(
-                f"{self!r} still runs a call that timed out "
-                f"{time.monotonic() - self._stuck_since:.1f} s ago; its firmware cannot "
-                "abandon a call, so reset the card (xbutil reset) or reload the xclbin"))
-            return
-        call.mark_started()
-        run = self._launch(call.args)
-        limit = self.config_timeout if call.args.scenario == Scenario.CONFIG \
-            else self._call_timeout + TIMEOUT_GRACE
-        state = self._wait(run, time.monotonic() + limit)
-        if state is None:
-            log.warning("%r: %s did not finish within the timeout; the card keeps running it",
-                        self, Scenario(call.args.scenario).name.lower())
-            self._stuck, self._stuck_since = run, time.monotonic()
-            call.complete(retcode=int(ErrorCode.RECEIVE_TIMEOUT_ERROR))
-        elif state != self._completed:
+    def _finish(self, call: DeviceCall, state: Any) -> None:
+        if state != self._completed:
             call.complete(error=DeviceError(f"hostctrl's run ended in state {state!r}"))
         else:
-            call.complete(retcode=self.mmio_read(xm.RETCODE))
+            super()._finish(call, state)
 
     def _launch(self, args: CallArgs) -> Any:
         """Start one hostctrl run with all 12 arguments set, as every call needs.
@@ -291,21 +235,10 @@ class XRTDevice:
 
         return poll(ended, deadline)
 
-    def _unstuck(self) -> bool:
-        """True once the card has finished the call that timed out."""
-        if self._wait(self._stuck, time.monotonic()) is None:
-            return False
-        log.info("%r: the call that timed out finished after all", self)
-        self._stuck = None
-        return True
-
     def close(self) -> None:
         """Stop the runner and drop every buffer object and handle."""
-        if self._closed:
+        if not self._stop_runner():
             return
-        self._closed = True
-        self._queue.put(None)
-        self._runner.join(timeout=self.config_timeout)
         if self._stuck is not None and self._wait(self._stuck, time.monotonic()) is None:
             log.warning("%r: closed while the card still runs a call that timed out", self)
             _unfinished_runs.append(self._stuck)

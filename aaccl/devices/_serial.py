@@ -1,0 +1,136 @@
+"""Calls run one at a time from a host-side queue: what ACCL's emulator and XRT need.
+
+ACCL's firmware leaves every call's return code in one register (RETCODE, 0x1FFC),
+and neither the emulator nor XRT 2.11+ takes a wait list. So these devices queue
+calls on the host, start each when its dependencies succeeded (`start_after`) and
+the previous call finished, and read the return code before the next call starts —
+as ACCL's own SimDevice and XRTDevice do.
+
+ACCL's firmware keeps its receive timeout but never acts on it, so the timeout the
+driver configures (SET_TIMEOUT) is enforced here: the call fails with
+RECEIVE_TIMEOUT_ERROR, and until the device finishes it (if ever) later calls fail
+at once with `DeviceStuck`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .. import _exchmem as xm
+from .._constants import ConfigFunction, ErrorCode, Scenario
+from .._errors import DeviceError, DeviceStuck
+from ._base import CallArgs, DeviceCall
+from ._hostdeps import start_after
+
+log = logging.getLogger("aaccl")
+
+TIMEOUT_GRACE = 1.0
+"""Seconds past the configured timeout before the host gives up on a call."""
+
+
+class SerialDevice:
+    """The call queue and runner thread of a device that runs one call at a time.
+
+    Subclasses start a call (`_launch`, returning a handle), wait for it (`_wait`,
+    its final state or None at the deadline), and say how to recover from a stuck
+    call (`stuck_remedy`).
+    """
+
+    timer_hz = 250_000_000  # the CCLO's clock, in which the firmware counts its timeout
+    config_timeout = 30.0  # seconds a configuration call may take: it waits for no peer
+    stuck_remedy = "reset the device"
+
+    def _start_runner(self, name: str) -> None:
+        self._call_timeout = 10.0
+        self._stuck: Any = None  # the handle of a call that timed out, while it still runs
+        self._stuck_since: float | None = None  # when it timed out; None: nothing stuck
+        self._closed = False
+        self._closing = threading.Lock()  # no call is queued behind close's sentinel
+        self._queue: queue.SimpleQueue[DeviceCall | None] = queue.SimpleQueue()
+        self._runner = threading.Thread(target=self._run_calls, daemon=True, name=name)
+        self._runner.start()
+
+    # -- what a subclass provides ---------------------------------------------------------
+
+    def mmio_read(self, offset: int) -> int:
+        raise NotImplementedError
+
+    def _launch(self, args: CallArgs) -> Any:
+        """Start the call on the device; return what `_wait` needs to follow it."""
+        raise NotImplementedError
+
+    def _wait(self, handle: Any, deadline: float) -> Any:
+        """The call's final state once it ended, or None at `deadline` (monotonic)."""
+        raise NotImplementedError
+
+    def _finish(self, call: DeviceCall, state: Any) -> None:
+        """Complete a call that ended: with the return code it left in RETCODE."""
+        call.complete(retcode=self.mmio_read(xm.RETCODE))
+
+    # -- the queue ------------------------------------------------------------------------
+
+    def start(self, args: CallArgs, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
+        if args.scenario == Scenario.CONFIG and args.function == ConfigFunction.SET_TIMEOUT:
+            self._call_timeout = args.count / self.timer_hz
+        return start_after(DeviceCall(args), waitfor, self._enqueue)
+
+    def _enqueue(self, call: DeviceCall) -> None:
+        with self._closing:
+            if not self._closed:
+                self._queue.put(call)
+                return
+        call.complete(error=DeviceError(f"{self!r} is closed"))
+
+    def _run_calls(self) -> None:
+        while (call := self._queue.get()) is not None:
+            try:
+                self._execute(call)
+            except Exception as error:  # the device's own errors, and bugs: never strand callers
+                if not isinstance(error, DeviceError):
+                    log.exception("%r: call %s failed", self, call.args)
+                    error = DeviceError(f"{self!r} failed the call: {error!r}")
+                if not call.done():
+                    call.complete(error=error)
+
+    def _execute(self, call: DeviceCall) -> None:
+        if self._stuck_since is not None and not self._unstuck():
+            call.complete(error=DeviceStuck(
+                f"{self!r} still runs a call that timed out "
+                f"{time.monotonic() - self._stuck_since:.1f} s ago; its firmware cannot "
+                f"abandon a call, so {self.stuck_remedy}"))
+            return
+        call.mark_started()
+        handle = self._launch(call.args)
+        limit = self.config_timeout if call.args.scenario == Scenario.CONFIG \
+            else self._call_timeout + TIMEOUT_GRACE
+        state = self._wait(handle, time.monotonic() + limit)
+        if state is not None:
+            self._finish(call, state)
+            return
+        log.warning("%r: call %s did not finish within the timeout; the device keeps running "
+                    "it", self, call.args.scenario)
+        self._stuck, self._stuck_since = handle, time.monotonic()
+        call.complete(retcode=int(ErrorCode.RECEIVE_TIMEOUT_ERROR))
+
+    def _unstuck(self) -> bool:
+        """True once the device has finished the call that timed out."""
+        if self._wait(self._stuck, time.monotonic()) is None:
+            return False
+        log.info("%r: the call that timed out finished after all", self)
+        self._stuck = self._stuck_since = None
+        return True
+
+    def _stop_runner(self) -> bool:
+        """Let queued calls run, then stop the runner; False if it was stopped already."""
+        with self._closing:
+            if self._closed:
+                return False
+            self._closed = True
+            self._queue.put(None)
+        self._runner.join(timeout=self.config_timeout)
+        return True
