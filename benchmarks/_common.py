@@ -3,6 +3,7 @@ a benchmark's worker under mpiexec (rank 0 prints its results as one line of JSO
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -131,3 +132,18 @@ def report(results: dict[str, Any], rows: list[dict[str, Any]], json_target: str
     with open(json_target, "w") as f:
         f.write(text + "\n")
     print_table(results, rows)
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options both benchmarks share: output, the MPI side's limits, the exit
+    status, and the hidden ones the script passes to its own mpiexec workers."""
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a CI smoke test")
+    parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                        help="write the results as JSON to PATH (or stdout: -, the default) "
+                             "instead of the table")
+    parser.add_argument("--mpi-timeout", type=float, default=900.0,
+                        help="seconds each mpiexec may take")
+    parser.add_argument("--check", action="store_true",
+                        help="exit with status 1 if a target is missed")
+    parser.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--count", type=int, help=argparse.SUPPRESS)

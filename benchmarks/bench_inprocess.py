@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from _common import (MiB, busy_cpus, find_mpiexec, fmt_time, mpi_env, report, run_mpiexec,
-                     spread, verdict)
+from _common import (MiB, add_run_options, busy_cpus, find_mpiexec, fmt_time, mpi_env, report,
+                     run_mpiexec, spread, verdict)
 
 RANKS = 4
 TARGET_SIZE_MIB = 64
@@ -316,17 +316,8 @@ def main() -> int:
                         help="timed iterations of (c) (default 1000, --quick: 100)")
     parser.add_argument("--nop-iters", type=int, default=None,
                         help="timed iterations of (b) (default 5000, --quick: 500)")
-    parser.add_argument("--quick", action="store_true", help="small sizes, for a CI smoke test")
-    parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
-                        help="write the results as JSON to PATH (or stdout: -, the default) "
-                             "instead of the table")
     parser.add_argument("--no-mpi", action="store_true", help="skip the MPICH comparison")
-    parser.add_argument("--mpi-timeout", type=float, default=900.0,
-                        help="seconds mpiexec may take")
-    parser.add_argument("--check", action="store_true",
-                        help="exit with status 1 if a target is missed")
-    parser.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--count", type=int, help=argparse.SUPPRESS)
+    add_run_options(parser)
     args = parser.parse_args()
 
     quick = args.quick

@@ -45,6 +45,7 @@ import numpy as np
 from _common import (
     MiB,
     OtherLoad,
+    add_run_options,
     busy_cpus,
     find_mpiexec,
     fmt_time,
@@ -320,16 +321,7 @@ def main() -> int:
     parser.add_argument("--small-iters", type=int, default=None,
                         help="timed iterations at 4 B (default 300, --quick: 50)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations of each")
-    parser.add_argument("--quick", action="store_true", help="small sizes, for a CI smoke test")
-    parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
-                        help="write the results as JSON to PATH (or stdout: -, the default) "
-                             "instead of the table")
-    parser.add_argument("--mpi-timeout", type=float, default=900.0,
-                        help="seconds each mpiexec may take")
-    parser.add_argument("--check", action="store_true",
-                        help="exit with status 1 if the target is missed")
-    parser.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--count", type=int, help=argparse.SUPPRESS)
+    add_run_options(parser)
     args = parser.parse_args()
 
     quick = args.quick
