@@ -13,14 +13,16 @@ from ._constants import (
     ReduceFunction,
     StreamFlags,
 )
-from ._errors import ACCLError, CCLOError, DependencyError, DeviceError, DeviceStuck
+from ._errors import (ACCLError, CCLOError, DependencyError, DeviceError, DeviceStuck,
+                      KernelError)
 from ._trace import Trace, tracing
-from .api import ACCL, Buffer, Call, mpi_launched, open_world, run
+from .api import ACCL, Buffer, Call, Kernel, mpi_launched, open_world, run
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ACCL", "ACCLError", "Buffer", "CCLOError", "Call", "CompressionFlags", "DependencyError",
-    "DeviceError", "DeviceStuck", "ErrorCode", "GLOBAL_COMM", "ReduceFunction", "StreamFlags", "TAG_ANY", "mpi_launched",
-    "open_world", "run", "Trace", "tracing",
+    "DeviceError", "DeviceStuck", "ErrorCode", "GLOBAL_COMM", "Kernel", "KernelError",
+    "ReduceFunction", "StreamFlags", "TAG_ANY", "mpi_launched", "open_world", "run", "Trace",
+    "tracing",
 ]

@@ -31,6 +31,10 @@ class DeviceError(ACCLError):
     cannot run this call at all."""
 
 
+class KernelError(ACCLError):
+    """A kernel modelled in Python raised; the kernel's exception is the `__cause__`."""
+
+
 class DeviceStuck(DeviceError):
     """The device still runs a call that timed out (ACCL's firmware cannot abandon a
     call), so it cannot take another until that call ends or the device is reset."""
@@ -38,5 +42,5 @@ class DeviceStuck(DeviceError):
 
 
 
-for _error in (ACCLError, CCLOError, DependencyError, DeviceError, DeviceStuck):
+for _error in (ACCLError, CCLOError, DependencyError, DeviceError, DeviceStuck, KernelError):
     _error.__module__ = "aaccl"  # tracebacks name the public path

@@ -753,3 +753,24 @@ def test_copy_end_to_end(fake: FakeEmulator, backend: str) -> None:
     copies = [c for c in fake.started() if c.scenario == Scenario.COPY]
     assert len(copies) == 3 and all(c.request["count"] == n for c in copies)
     assert copies[1].request["addr_2"] == copies[2].request["addr_0"]  # the chain's middle
+
+
+def test_a_python_kernel_between_firmware_calls_works_on_staged_device_memory(
+        fake: FakeEmulator) -> None:
+    """The emulator's memory is behind the socket: a Python kernel gets a copy read
+    before it runs and written back after, between the firmware's calls."""
+    n = 50
+
+    async def main(accl: aaccl.ACCL) -> np.ndarray:
+        src, mid, dst = (accl.allocate(n, np.int32) for _ in range(3))
+        src[:] = np.arange(n)
+        copied = accl.copy(src, mid, n, to_fpga=True)
+        negated = accl.kernel(np.negative)(mid, mid, waitfor=[copied])
+        await accl.copy(mid, dst, n, from_fpga=True, waitfor=[negated])
+        np.testing.assert_array_equal(mid, 0)  # the host copy of mid never moved
+        await accl.sync_from_device(mid)
+        np.testing.assert_array_equal(mid, -np.arange(n))
+        return np.array(dst)
+
+    [result] = aaccl.run(main, 1, device="emulator", emulator_port=fake.port, nbufs=4, timeout=5)
+    np.testing.assert_array_equal(result, -np.arange(n))

@@ -392,6 +392,111 @@ async def test_copy_end_to_end(fake: Fake, devices: Any) -> None:
     assert sorted(fake.of("freebuffer")) == sorted((a,) for *_, a in fake.of("allocate"))
 
 
+# -- kernels of the overlay, and host work ------------------------------------------------------
+
+@pytest.mark.anyio
+async def test_an_overlay_kernel_chains_on_the_card_between_cclo_calls(fake: Fake,
+                                                                       devices: Any) -> None:
+    accl = await ACCL.open(driver_on(devices(), timeout=5.0))
+    try:
+        n = 100
+        a, b, total, out = (accl.allocate((n,), np.float32) for _ in range(4))
+        a[:], b[:] = np.arange(n), 0.5
+        vadd = accl.kernel(fake.overlays[0].vadd_0)
+        assert repr(vadd) == "<Kernel FakeVadd of rank 0>"
+        gate = fake.hold(Scenario.COPY)
+        copied = accl.copy(a, a, n, to_fpga=True)
+        up = accl.sync_to_device(b)
+        added = vadd(a, b, total, n, waitfor=[copied, up])
+        back = accl.copy(total, out, n, from_fpga=True, waitfor=[added])
+        copy_run = fake.runs(Scenario.COPY)[0]
+        await anyio.wait_all_tasks_blocked()
+        gate.set()
+        await back  # one await for card, kernel and card again
+        np.testing.assert_array_equal(out, np.arange(n) + 0.5)
+        (vadd_run,) = [run for run in fake.runs() if run.scenario is None]
+        assert vadd_run.args == (a.device_address, b.device_address, total.device_address, n)
+        assert copy_run.handle in vadd_run.waitfor  # chained on the card, through ERT
+        assert position(fake, "ended", copy_run) < position(fake, "began", vadd_run)
+    finally:
+        await accl.aclose()
+
+
+@pytest.mark.anyio
+async def test_without_wait_lists_an_overlay_kernel_waits_on_the_host(
+        make_fake: Callable[..., Fake], devices: Any) -> None:
+    fake = make_fake(xrt_version=(2, 12, 0))
+    accl = await ACCL.open(driver_on(devices(), timeout=5.0))
+    try:
+        a = accl.allocate((8,), np.float32)
+        a[:] = 2
+        gate = fake.hold(Scenario.NOP)
+        first = accl.nop()
+        added = accl.kernel(fake.overlays[0].vadd_0)(a, a, a, 8,
+                                                     waitfor=[accl.sync_to_device(a), first])
+        await anyio.wait_all_tasks_blocked()
+        assert not any(run.scenario is None for run in fake.runs())  # not started yet
+        gate.set()
+        await accl.sync_from_device(a, waitfor=[added])
+        np.testing.assert_array_equal(a, 4)
+        assert all(run.kwargs == {} for run in fake.runs())
+    finally:
+        await accl.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_failed_kernel_run_is_a_device_error_and_its_dependents_never_run(
+        fake: Fake, devices: Any) -> None:
+    accl = await ACCL.open(driver_on(devices(), timeout=5.0))
+    try:
+        a = accl.allocate((4,), np.float32)
+        fake.broken.add("vadd")
+        added = accl.kernel(fake.overlays[0].vadd_0)(a, a, a, 4)
+        after = accl.nop(waitfor=[added])
+        with pytest.raises(DependencyError):
+            await after
+        with pytest.raises(DeviceError, match="kernel run ended badly: Execution failed"):
+            await added
+        await accl.nop()
+    finally:
+        await accl.aclose()
+
+
+def test_a_held_kernel_run_never_times_out_the_cclo(fake: Fake, devices: Any) -> None:
+    """Kernels run beside the CCLO: only the CCLO's own calls count for its timeout."""
+    driver = driver_on(devices(), timeout=0.05)
+    driver.configure()
+    buf = driver.device.alloc(16)
+    gate = fake.hold("vadd")
+    pointer = type("Pointer", (), {"device_address": buf})()
+    run = driver.device.start_kernel(fake.overlays[0].vadd_0, [pointer, pointer, pointer, 4])
+    for _ in range(3):
+        assert not done(driver.start(Scenario.NOP)).failed
+    assert not run.done()
+    gate.set()
+    assert not done(run).failed
+
+
+@pytest.mark.anyio
+async def test_a_python_kernel_on_a_card_works_on_a_copy_of_device_memory(
+        fake: Fake, devices: Any) -> None:
+    accl = await ACCL.open(driver_on(devices(), timeout=5.0))
+    try:
+        buf = accl.allocate((6,), np.int32)
+        buf[:] = 3
+        up = accl.sync_to_device(buf)
+        buf[:] = 0  # host only
+        squared = accl.kernel(lambda x: np.multiply(x, x, out=x))(buf, waitfor=[up])
+        await squared
+        np.testing.assert_array_equal(buf, 0)
+        card = fake.overlays[0].device
+        np.testing.assert_array_equal(card.device_view(buf.device_address, 24).view(np.int32), 9)
+        await accl.sync_from_device(buf)
+        np.testing.assert_array_equal(buf, 9)
+    finally:
+        await accl.aclose()
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_a_world_on_cards_through_aaccl_run(make_fake: Callable[..., Fake], backend: str) -> None:
     """open_world(device="pynq") opens one card per rank and writes the addresses given."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import anyio
@@ -18,6 +18,7 @@ from . import _bridge
 from . import _checks as check
 from ._buffer import Buffer, allocate
 from ._call import Call
+from ._kernel import Kernel, on_card
 
 Calls = Iterable[Call]
 
@@ -130,26 +131,33 @@ class ACCL:
                 **call: Any) -> Call:
         self._check_open()
         deps = check.waitfor(waitfor, self)
-        trace = _trace.active()
-        submitted = time.perf_counter_ns() if trace is not None else 0
+        submitted = time.perf_counter_ns() if _trace.active() is not None else 0
         for region in sync_in:
             region.sync_to_device()
         a0, a1, a2 = (0 if b is None else b.device_address for b in buffers)
         device_call = self._driver.start(scenario, addrs=(a0, a1, a2),
                                          waitfor=[d._device for d in deps],
                                          **call)
-        self._ncalls += 1
-        if trace is not None:
-            self._record(trace, op, device_call, submitted)
         finish = None if sync_out is None else sync_out.sync_from_device
+        return self._track(op, "cclo", device_call, deps, submitted, finish,
+                           tuple(b for b in buffers if b is not None))
+
+    def _track(self, op: str, engine: str, device_call: DeviceCall, deps: tuple[Call, ...],
+               submitted: int, finish: Callable[[], None] | None = None,
+               buffers: tuple[object, ...] = ()) -> Call:
+        """The Call of a submitted device call, kept until it completes."""
+        self._ncalls += 1
+        trace = _trace.active()
+        if trace is not None:
+            self._record(trace, op, engine, device_call, submitted or time.perf_counter_ns())
         result = Call(f"{op} (rank {self._rank}, call {self._ncalls})", self, device_call, deps,
-                      finish, self._forget, tuple(b for b in buffers if b is not None))
+                      finish, self._forget, buffers)
         with self._lock:
             if not result.done():
                 self._outstanding.add(result)
         return result
 
-    def _record(self, trace: _trace.Trace, op: str, device_call: DeviceCall,
+    def _record(self, trace: _trace.Trace, op: str, engine: str, device_call: DeviceCall,
                 submitted: int) -> None:
         """Trace the host's submission (with its syncs) and, once it completes, the
         call's run on the device."""
@@ -158,15 +166,57 @@ class ACCL:
 
         def completed(dev: DeviceCall) -> None:
             end = time.perf_counter_ns()
-            trace.add(rank, "cclo", op, dev.started or end, end, call=number,
+            extra = {} if dev.args is None else {"count": dev.args.count}
+            trace.add(rank, engine, op, dev.started or end, end, call=number,
                       submitted_us=(submitted - trace.origin) / 1000,
-                      failed=dev.failed, count=dev.args.count)
+                      failed=dev.failed, **extra)
 
         device_call.add_done_callback(completed)
 
     def _forget(self, call: Call) -> None:
         with self._lock:
             self._outstanding.discard(call)
+
+    # -- kernels and transfers ---------------------------------------------------------
+
+    def kernel(self, target: Any, *, name: str | None = None) -> Kernel:
+        """A compute kernel whose runs are Calls: a Python callable (run on the device's
+        workers, with Buffers as their device memory) or, under device="pynq", a kernel
+        of the overlay. See `Kernel`."""
+        self._check_open()
+        hardware = on_card(self._driver.device, target)
+        label = name or str(getattr(target, "__name__", type(target).__name__))
+        return Kernel(self, target, label, hardware)
+
+    def _run_kernel(self, kernel: Kernel, args: tuple[Any, ...], waitfor: Calls) -> Call:
+        self._check_open()
+        deps = check.waitfor(waitfor, self)
+        buffers = tuple(check.buffer(a, f"argument {i} of {kernel.name}", self, 0)
+                        for i, a in enumerate(args) if isinstance(a, Buffer))
+        submitted = time.perf_counter_ns() if _trace.active() is not None else 0
+        device_call = kernel._start(self._driver.device, args, [d._device for d in deps])
+        return self._track(f"kernel {kernel.name}", "kernel", device_call, deps, submitted,
+                           buffers=buffers)
+
+    def sync_to_device(self, buf: Buffer, *, waitfor: Calls = ()) -> Call:
+        """Copy buf's host elements to device memory, as a call: it runs on the device's
+        workers once `waitfor` succeeded, so it overlaps with compute and other calls.
+        Pass a slice (`buf[:n]`) to move part of a buffer."""
+        return self._transfer("sync_to_device", buf, Buffer.sync_to_device, waitfor)
+
+    def sync_from_device(self, buf: Buffer, *, waitfor: Calls = ()) -> Call:
+        """Copy buf's device memory into its host elements, as a call (see
+        `sync_to_device`)."""
+        return self._transfer("sync_from_device", buf, Buffer.sync_from_device, waitfor)
+
+    def _transfer(self, op: str, buf: Buffer, move: Callable[[Buffer], None],
+                  waitfor: Calls) -> Call:
+        self._check_open()
+        deps = check.waitfor(waitfor, self)
+        region = check.buffer(buf, "buf", self, 0)
+        submitted = time.perf_counter_ns() if _trace.active() is not None else 0
+        device_call = self._driver.device.run(lambda: move(region), [d._device for d in deps])
+        return self._track(op, "dma", device_call, deps, submitted, buffers=(region,))
 
     # -- primitives -------------------------------------------------------------------
 

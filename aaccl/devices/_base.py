@@ -30,6 +30,9 @@ class CallArgs(NamedTuple):
 class DeviceCall:
     """Completion of one call on a device: a return code, or "never ran".
 
+    `args` are the CCLO call's arguments, or None for host work (a job or a kernel
+    run), which has no return code: it succeeds or ends with `error`.
+
     Devices complete it from their own threads; callbacks run on the completing
     thread and must not block.
     """
@@ -37,14 +40,14 @@ class DeviceCall:
     __slots__ = ("args", "_lock", "_callbacks", "_event", "retcode", "aborted", "error",
                  "started")
 
-    def __init__(self, args: CallArgs) -> None:
+    def __init__(self, args: CallArgs | None) -> None:
         self.args = args
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[DeviceCall], None]] | None = []
         self._event: threading.Event | None = None
         self.retcode = 0
         self.aborted = False  # a dependency failed, so the call never ran
-        self.error: Exception | None = None  # the device could not run the call at all
+        self.error: Exception | None = None  # the device could not run it, or host work raised
         self.started = 0  # perf_counter_ns when the device began running it (0: not yet)
 
     def done(self) -> bool:
@@ -112,5 +115,10 @@ class Device(Protocol):
     def read(self, address: int, out: np.ndarray) -> None: ...
 
     def start(self, args: CallArgs, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall: ...
+
+    def run(self, job: Callable[[], None], waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
+        """Run host work (a kernel modelled in Python, a DMA transfer) on the device's
+        worker threads once `waitfor` succeeded, as a call of the same graph."""
+        ...
 
     def close(self) -> None: ...

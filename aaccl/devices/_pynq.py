@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
+import math
 import os
 import re
 import sys
@@ -47,6 +48,7 @@ from .._constants import ConfigFunction, ErrorCode, Scenario
 from .._errors import DeviceError
 from ._base import CallArgs, DeviceCall
 from ._hostdeps import start_after
+from ._jobs import HostJobs, Job
 from ._poll import FIRST_SLEEP, LONGEST_SLEEP
 
 log = logging.getLogger("aaccl")
@@ -112,6 +114,7 @@ class PynqDevice:
         self._thread = threading.Thread(target=self._watch, daemon=True,
                                         name=f"aaccl-pynq-{device_index}.{cclo_index}")
         self._thread.start()
+        self._jobs = HostJobs(f"aaccl-pynq-{device_index}.{cclo_index}-jobs")
 
     # -- exchange memory ----------------------------------------------------------------
 
@@ -166,11 +169,27 @@ class PynqDevice:
     def start(self, args: CallArgs, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
         if args.scenario == Scenario.CONFIG and args.function == ConfigFunction.SET_TIMEOUT:
             self._call_timeout = args.count / self.timer_hz
-        call = DeviceCall(args)
+        timeout = CONFIG_TIMEOUT if args.scenario == Scenario.CONFIG else self._call_timeout
+        return self._start(DeviceCall(args), self._hostctrl, [int(a) for a in args], timeout,
+                           waitfor)
+
+    def start_kernel(self, kernel: Any, args: Sequence[Any],
+                     waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
+        """Start a run of another kernel of the overlay (`overlay.vadd_1`, arguments as
+        its `start` takes them: aaccl Buffers pass as their device address), chained on
+        the card like the CCLO's calls. A kernel run has no return code and no timeout:
+        ERT says when it ends."""
+        return self._start(DeviceCall(None), kernel, list(args), math.inf, waitfor)
+
+    def run(self, job: Job, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
+        return self._jobs.run(job, waitfor)
+
+    def _start(self, call: DeviceCall, kernel: Any, args: list[Any], timeout: float,
+               waitfor: Sequence[DeviceCall]) -> DeviceCall:
         on_card = self._on_card(waitfor)
         if on_card is None:
-            return start_after(call, waitfor, self._launch)
-        self._launch(call, on_card)
+            return start_after(call, waitfor, lambda c: self._launch(c, kernel, args, timeout))
+        self._launch(call, kernel, args, timeout, on_card)
         return call
 
     def _on_card(self, waitfor: Sequence[DeviceCall]) -> list[DeviceCall] | None:
@@ -184,10 +203,10 @@ class PynqDevice:
                 return None
         return pending
 
-    def _launch(self, call: DeviceCall, deps: Sequence[DeviceCall] = ()) -> None:
-        """Start `call`'s run, after `deps` on the card. Runs on the caller's thread or a
-        completion thread (through start_after): it must not block."""
-        args = [int(a) for a in call.args]
+    def _launch(self, call: DeviceCall, kernel: Any, args: list[Any], timeout: float,
+                deps: Sequence[DeviceCall] = ()) -> None:
+        """Start `call` as a run of `kernel`, after `deps` on the card. Runs on the
+        caller's thread or a completion thread (through start_after): it must not block."""
         call.mark_started()  # on the card's queue: with ERT chaining, it may wait there
         with self._lock:
             closed = self._closed
@@ -199,13 +218,12 @@ class PynqDevice:
         try:
             with self._board_lock:
                 if handles:
-                    handle = self._hostctrl.start(*args, waitfor=handles)
+                    handle = kernel.start(*args, waitfor=handles)
                 else:  # no waitfor at all: PYNQ's non-ERT start refuses even an empty one
-                    handle = self._hostctrl.start(*args)
+                    handle = kernel.start(*args)
         except Exception as error:
-            call.complete(error=DeviceError(f"PYNQ could not start the call: {error}"))
+            call.complete(error=DeviceError(f"PYNQ could not start the {_name(call)}: {error}"))
             return
-        timeout = CONFIG_TIMEOUT if call.args.scenario == Scenario.CONFIG else self._call_timeout
         with self._lock:
             closed = self._closed  # closed meanwhile: nobody watches the card any more
             if not closed:
@@ -262,9 +280,11 @@ class PynqDevice:
             return
         error = _run_error(run.handle)
         if error is not None:
-            run.call.complete(error=DeviceError(f"the hostctrl run ended badly: {error}"))
+            run.call.complete(error=DeviceError(f"the {_name(run.call)} ended badly: {error}"))
         elif any(dep.failed for dep in run.deps):
             run.call.complete(aborted=True)
+        elif run.call.args is None:  # a kernel run: no return code
+            run.call.complete()
         else:
             run.call.complete(retcode=self.mmio_read(xm.RETCODE))
 
@@ -281,10 +301,12 @@ class PynqDevice:
         return bool(orphans)
 
     def _time_out_head(self) -> bool:
-        """Fail the oldest unfinished call once it has led the queue for too long."""
+        """Fail the oldest unfinished CCLO call once it has led the queue for too long
+        (other kernels run beside the CCLO, not in its queue)."""
         now = time.monotonic()
         with self._lock:
-            head = next((run for run in self._runs if not run.call.done()), None)
+            head = next((run for run in self._runs
+                         if not run.call.done() and run.call.args is not None), None)
             if head is not self._head:
                 self._head, self._head_since = head, now
                 return False
@@ -317,6 +339,7 @@ class PynqDevice:
         if threading.current_thread() is not self._thread:
             self._thread.join()
         self._fail_all(DeviceError("the PYNQ device was closed while the call ran"))
+        self._jobs.close()
         with self._lock:
             buffers = list(self._buffers.values())
             self._buffers.clear()
@@ -466,6 +489,8 @@ def _run_error(handle: Any) -> str | None:
 
 
 def _name(call: DeviceCall) -> str:
+    if call.args is None:
+        return "kernel run"
     try:
         return Scenario(call.args.scenario).name.lower()
     except ValueError:

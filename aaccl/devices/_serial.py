@@ -26,6 +26,7 @@ from .._constants import ConfigFunction, ErrorCode, Scenario
 from .._errors import DeviceError, DeviceStuck
 from ._base import CallArgs, DeviceCall
 from ._hostdeps import start_after
+from ._jobs import HostJobs, Job
 
 log = logging.getLogger("aaccl")
 
@@ -54,6 +55,7 @@ class SerialDevice:
         self._queue: queue.SimpleQueue[DeviceCall | None] = queue.SimpleQueue()
         self._runner = threading.Thread(target=self._run_calls, daemon=True, name=name)
         self._runner.start()
+        self._jobs = HostJobs(f"{name}-jobs")
 
     # -- what a subclass provides ---------------------------------------------------------
 
@@ -78,6 +80,10 @@ class SerialDevice:
         if args.scenario == Scenario.CONFIG and args.function == ConfigFunction.SET_TIMEOUT:
             self._call_timeout = args.count / self.timer_hz
         return start_after(DeviceCall(args), waitfor, self._enqueue)
+
+    def run(self, job: Job, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
+        """Host work runs beside the queue: only the CCLO takes one call at a time."""
+        return self._jobs.run(job, waitfor)
 
     def _enqueue(self, call: DeviceCall) -> None:
         with self._closing:
@@ -104,16 +110,18 @@ class SerialDevice:
                 f"{time.monotonic() - self._stuck_since:.1f} s ago; its firmware cannot "
                 f"abandon a call, so {self.stuck_remedy}"))
             return
+        args = call.args
+        assert args is not None  # the queue holds CCLO calls only
         call.mark_started()
-        handle = self._launch(call.args)
-        limit = self.config_timeout if call.args.scenario == Scenario.CONFIG \
+        handle = self._launch(args)
+        limit = self.config_timeout if args.scenario == Scenario.CONFIG \
             else self._call_timeout + TIMEOUT_GRACE
         state = self._wait(handle, time.monotonic() + limit)
         if state is not None:
             self._finish(call, state)
             return
         log.warning("%r: call %s did not finish within the timeout; the device keeps running "
-                    "it", self, call.args.scenario)
+                    "it", self, args.scenario)
         self._stuck, self._stuck_since = handle, time.monotonic()
         call.complete(retcode=int(ErrorCode.RECEIVE_TIMEOUT_ERROR))
 
@@ -133,4 +141,5 @@ class SerialDevice:
             self._closed = True
             self._queue.put(None)
         self._runner.join(timeout=self.config_timeout)
+        self._jobs.close()
         return True

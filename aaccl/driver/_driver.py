@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import _exchmem as xm
 from .._constants import GLOBAL_COMM, TAG_ANY, CompressionFlags, ConfigFunction, Scenario
-from .._errors import ACCLError, CCLOError, DependencyError
+from .._errors import ACCLError, CCLOError, DependencyError, KernelError
 from ..devices import CallArgs, Device, DeviceCall
 
 CONFIG_TIMEOUT = 60.0
@@ -148,6 +148,11 @@ class Driver:
     @staticmethod
     def error(call: DeviceCall, operation: str) -> Exception | None:
         """The exception a completed call stands for, or None if it succeeded."""
+        if call.error is not None and call.args is None \
+                and not isinstance(call.error, ACCLError):  # host work raised
+            error = KernelError(f"{operation} raised {type(call.error).__name__}: {call.error}")
+            error.__cause__ = call.error
+            return error
         if call.error is not None:  # a fresh exception of the device's kind, per call
             kind = type(call.error) if isinstance(call.error, ACCLError) else ACCLError
             return kind(f"{operation} could not run: {call.error}")

@@ -21,6 +21,7 @@ import numpy as np
 from .. import _exchmem as xm
 from .._constants import ErrorCode, Scenario
 from ..devices import CallArgs, DeviceCall
+from ..devices._jobs import HostJobs, Job
 from ._engine import CallFailed, Engine, Escalate, Park, Task
 from ._progress import WATCHDOG, trampoline
 from ._memory import DeviceMemory
@@ -48,6 +49,7 @@ class SoftDevice:
         self._engine = Engine(self)
         self._admit_lock = threading.Lock()
         self._workers = ThreadPoolExecutor(MAX_WORKERS, thread_name_prefix=f"soft-cclo-{session}")
+        self._jobs = HostJobs(f"soft-cclo-{session}", self._workers)
 
     # -- exchange memory and device memory ----------------------------------------
 
@@ -113,9 +115,14 @@ class SoftDevice:
             dep.add_done_callback(on_dependency_done)
         return call
 
+    def run(self, job: Job, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
+        """Host work (kernels modelled in Python, transfers) on the CCLO's own workers."""
+        return self._jobs.run(job, waitfor)
+
     def _dispatch(self, call: DeviceCall, ticket: object) -> None:
         call.mark_started()
         args = call.args
+        assert args is not None
         if args.scenario == Scenario.NOP:
             call.complete(0)  # nothing to wait for: complete on the spot
             return
@@ -151,7 +158,7 @@ class SoftDevice:
             return
         except Exception:  # a bug in the model must fail the call, never leave it hanging
             log.exception("soft CCLO %d: internal error in %s", self.session,
-                          Scenario(call.args.scenario).name.lower())
+                          _name(call))
             self._fail(call, task, int(ErrorCode.DMA_INTERNAL_ERROR))
             return
         task.finish(False)
@@ -173,5 +180,10 @@ class SoftDevice:
         call.complete(retcode)
 
     def close(self) -> None:
+        self._jobs.close()
         self._workers.shutdown(wait=False)
         self.port.close()
+
+
+def _name(call: DeviceCall) -> str:
+    return "host job" if call.args is None else Scenario(call.args.scenario).name.lower()

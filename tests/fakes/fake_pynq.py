@@ -63,8 +63,8 @@ class Run:
         self.handle = FakeHandle(self)
 
     @property
-    def scenario(self) -> int:
-        return self.args[0]
+    def scenario(self) -> int | None:
+        return None if isinstance(self.hostctrl, FakeVadd) else self.args[0]
 
     @property
     def waitfor(self) -> tuple[Any, ...]:
@@ -224,11 +224,15 @@ class FakeHostctrl:
         self.stopped = False
         threading.Thread(target=self._serve, daemon=True).start()
 
+    def _arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        if len(args) != 12 or set(kwargs) - {"waitfor"}:
+            raise TypeError(f"hostctrl takes 12 arguments, got {args} {kwargs}")
+        return args
+
     def start(self, *args: Any, **kwargs: Any) -> FakeHandle:
         self.card._enter("start")
         try:
-            if len(args) != 12 or set(kwargs) - {"waitfor"}:
-                raise TypeError(f"hostctrl takes 12 arguments, got {args} {kwargs}")
+            args = self._arguments(args, kwargs)
             waitfor = tuple(kwargs.get("waitfor", ()))
             if waitfor and self.fake.xrt_version >= (2, 11, 0):
                 raise RuntimeError("waitfor list to schedule dependent executions is not "
@@ -285,6 +289,33 @@ class FakeHostctrl:
             self.card.device_view(addr_2, n)[:] = self.card.device_view(addr_0, n)
 
 
+class FakeVadd(FakeHostctrl):
+    """A user kernel of the overlay, `vadd_0(a, b, out, n)`: out[:n] = a[:n] + b[:n] in
+    float32 device memory. As PYNQ's _start_ert, it takes each pointer argument's
+    `device_address` (an int has none), and ERT runs it after its wait list. Its runs
+    are recorded as "start"/"began"/"ended" with scenario None; `gates["vadd"]` holds
+    them, `broken` containing "vadd" makes ERT fail them."""
+
+    def _arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        if len(args) != 4 or set(kwargs) - {"waitfor"}:
+            raise TypeError(f"vadd takes 4 arguments, got {args} {kwargs}")
+        a, b, out, n = args
+        return (a.device_address, b.device_address, out.device_address, int(n))
+
+    def _execute(self, run: Run) -> None:
+        run.began.set()
+        self.fake.record("began", run)
+        gate = self.fake.gates.get("vadd")
+        if gate is not None:
+            gate.wait()
+        a, b, out, n = run.args
+        view = lambda address: self.card.device_view(address, 4 * n).view(np.float32)  # noqa: E731
+        view(out)[:] = view(a) + view(b)
+        run.ok = "vadd" not in self.fake.broken
+        self.fake.record("ended", run)
+        run.ended.set()
+
+
 class FakeOverlay:
     """pynq.Overlay: the CCLOs and hostctrls of the xclbin, and the card's memories."""
 
@@ -303,6 +334,8 @@ class FakeOverlay:
             self.ip_dict[f"hostctrl_{i}"] = {"type": "xilinx.com:ACCL:hostctrl:1.0"}
             setattr(self, f"ccl_offload_{i}", cclo)
             setattr(self, f"hostctrl_{i}", FakeHostctrl(fake, device, cclo))
+        self.ip_dict["vadd_0"] = {"type": "xilinx.com:hls:vadd:1.0"}
+        self.vadd_0 = FakeVadd(fake, device, cclo)
         for tag, memory in device.memories.items():
             setattr(self, re.sub("[^A-Za-z0-9_]", "", tag), memory)
 
@@ -367,7 +400,7 @@ class Fake:
             gate.set()
         for overlay in self.overlays:
             for name in overlay.ip_dict:
-                if name.startswith("hostctrl_"):
+                if name.startswith(("hostctrl_", "vadd_")):
                     hostctrl = getattr(overlay, name)
                     with hostctrl.cv:
                         hostctrl.stopped = True

@@ -1,0 +1,89 @@
+"""`Kernel`: a compute kernel of one rank, whose runs are Calls in the CCLO's graphs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._buffer import Buffer
+
+if TYPE_CHECKING:
+    from ..devices import Device
+    from ._accl import ACCL
+    from ._call import Call
+
+
+class Kernel:
+    """A compute kernel bound to one rank. Calling it starts a run and returns the
+    run's `Call`, which chains like a CCLO call: `kernel(a, b, waitfor=[recv])`,
+    `allreduce(..., waitfor=[run])`.
+
+    A Python callable runs on the device's worker threads. Each `Buffer` argument
+    reaches it as a numpy array of that buffer's *device* memory, where a kernel on
+    the card would work: sync host data in first (`ACCL.sync_to_device`) and results
+    out after. On the soft CCLO that array is the device memory itself; on ACCL's
+    emulator and on cards it is a copy read before the run and written back after.
+    Other arguments pass as they are. Code that releases the GIL (numpy on large
+    arrays, lz4, zlib) runs in parallel with the event loop and with other kernels.
+
+    Under `device="pynq"` a kernel of the overlay (`overlay.vadd_1`) runs on the
+    card instead, started through XRT's scheduler with its arguments as PYNQ takes
+    them, and chained there after the CCLO's calls.
+    """
+
+    __slots__ = ("name", "_accl", "_target", "_on_card")
+
+    def __init__(self, accl: ACCL, target: Any, name: str, on_card: bool) -> None:
+        self.name, self._accl, self._target, self._on_card = name, accl, target, on_card
+
+    def __call__(self, *args: Any, waitfor: Iterable[Call] = ()) -> Call:
+        """Start one run with `args` once every call in `waitfor` succeeded."""
+        return self._accl._run_kernel(self, args, waitfor)
+
+    def __repr__(self) -> str:
+        return f"<Kernel {self.name} of rank {self._accl.rank}>"
+
+    def _start(self, device: Device, args: Sequence[Any], waitfor: Sequence[Any]) -> Any:
+        """The device call of one run (arguments checked by the caller)."""
+        if self._on_card:
+            card: Any = device  # PynqDevice: the one device with kernels of its own
+            return card.start_kernel(self._target, args, waitfor)
+        return device.run(python_job(device, self._target, args), waitfor)
+
+
+def on_card(device: Device, target: Any) -> bool:
+    """Whether `target` is a kernel of the card (True) or a Python callable (False)."""
+    if hasattr(device, "start_kernel") and hasattr(target, "start") \
+            and not hasattr(target, "__code__"):
+        return True
+    if callable(target):
+        return False
+    raise TypeError(f"a kernel is a Python callable or, under device='pynq', a kernel of the "
+                    f"overlay (such as overlay.vadd_1), not {type(target).__name__}")
+
+
+def python_job(device: Device, fn: Callable[..., Any], args: Sequence[Any]) -> Callable[[], None]:
+    """The job that runs `fn(*args)` with Buffers seen as device memory."""
+    array: Callable[[int, np.dtype, int], np.ndarray] | None = getattr(device, "array", None)
+    slots = [i for i, a in enumerate(args) if isinstance(a, Buffer)]
+    if array is not None:  # the soft CCLO: in place
+        def in_device_memory() -> None:
+            bound = list(args)
+            for i in slots:
+                buf = args[i]
+                bound[i] = array(buf.device_address, buf.dtype, buf.size).reshape(buf.shape)
+            fn(*bound)
+        return in_device_memory
+
+    def staged() -> None:  # a remote memory: read, run, write back
+        bound = list(args)
+        for i in slots:
+            copy = np.empty(args[i].shape, args[i].dtype)
+            device.read(args[i].device_address, copy)
+            bound[i] = copy
+        fn(*bound)
+        for i in slots:
+            device.write(args[i].device_address, bound[i])
+    return staged
