@@ -303,6 +303,8 @@ async def test_bad_kernels_and_arguments_fail_before_anything_runs() -> None:
     async with aaccl.open_world(2) as (a, b):
         with pytest.raises(TypeError, match="a kernel is a Python callable"):
             a.kernel(42)
+        with pytest.raises(TypeError, match="kernels by name are an overlay's"):
+            a.kernel("vadd_1")
         kernel = a.kernel(lambda *args: ran.append(1))
         with pytest.raises(ValueError, match="argument 0 of <lambda> belongs to another rank"):
             kernel(b.allocate(3))

@@ -402,8 +402,11 @@ async def test_an_overlay_kernel_chains_on_the_card_between_cclo_calls(fake: Fak
         n = 100
         a, b, total, out = (accl.allocate((n,), np.float32) for _ in range(4))
         a[:], b[:] = np.arange(n), 0.5
-        vadd = accl.kernel(fake.overlays[0].vadd_0)
-        assert repr(vadd) == "<Kernel FakeVadd of rank 0>"
+        vadd = accl.kernel("vadd_0")
+        assert repr(vadd) == "<Kernel vadd_0 of rank 0>"
+        assert accl.kernel(fake.overlays[0].vadd_0).name == "FakeVadd"
+        with pytest.raises(DeviceError, match="no kernel vadd_7 .*vadd_0"):
+            accl.kernel("vadd_7")
         gate = fake.hold(Scenario.COPY)
         copied = accl.copy(a, a, n, to_fpga=True)
         up = accl.sync_to_device(b)

@@ -182,9 +182,15 @@ class ACCL:
     def kernel(self, target: Any, *, name: str | None = None) -> Kernel:
         """A compute kernel whose runs are Calls: a Python callable (run on the device's
         workers, with Buffers as their device memory) or, under device="pynq", a kernel
-        of the overlay. See `Kernel`."""
+        of the overlay, by name ("vadd_1") or as PYNQ's object. See `Kernel`."""
         self._check_open()
-        hardware = on_card(self._driver.device, target)
+        device = self._driver.device
+        if isinstance(target, str):
+            if not hasattr(device, "overlay_kernel"):
+                raise TypeError(f"kernel {target!r}: kernels by name are an overlay's, under "
+                                "device='pynq'; on this device a kernel is a Python callable")
+            name, target = name or target, cast(Any, device).overlay_kernel(target)
+        hardware = on_card(device, target)
         label = name or str(getattr(target, "__name__", type(target).__name__))
         return Kernel(self, target, label, hardware)
 

@@ -28,8 +28,8 @@ class Kernel:
     Other arguments pass as they are. Code that releases the GIL (numpy on large
     arrays, lz4, zlib) runs in parallel with the event loop and with other kernels.
 
-    Under `device="pynq"` a kernel of the overlay (`overlay.vadd_1`) runs on the
-    card instead, started through XRT's scheduler with its arguments as PYNQ takes
+    Under `device="pynq"` a kernel of the overlay (`accl.kernel("vadd_1")`) runs on
+    the card instead, started through XRT's scheduler with its arguments as PYNQ takes
     them, and chained there after the CCLO's calls.
     """
 

@@ -173,6 +173,11 @@ class PynqDevice:
         return self._start(DeviceCall(args), self._hostctrl, [int(a) for a in args], timeout,
                            waitfor)
 
+    def overlay_kernel(self, name: str) -> Any:
+        """The overlay's kernel `name` (as PYNQ names it: "vadd_1"), for `start_kernel`."""
+        with _SETUP:
+            return _ip(self._overlay, name)
+
     def start_kernel(self, kernel: Any, args: Sequence[Any],
                      waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
         """Start a run of another kernel of the overlay (`overlay.vadd_1`, arguments as
