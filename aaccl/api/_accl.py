@@ -232,12 +232,14 @@ class ACCL:
 
     def copy(self, srcbuf: Buffer, dstbuf: Buffer, count: int, from_fpga: bool = False,
              to_fpga: bool = False, *, stream_flags: int = 0, waitfor: Calls = ()) -> Call:
-        """dstbuf[:count] = srcbuf[:count], on the device."""
+        """dstbuf[:count] = srcbuf[:count], on the device. float32 and float16 buffers
+        mix: the CCLO converts between them."""
         n = check.count(count)
         src = check.buffer(srcbuf, "srcbuf", self, n)
         dst = check.buffer(dstbuf, "dstbuf", self, n)
-        dtype = check.same_dtype(srcbuf=src, dstbuf=dst)
-        return self._submit("copy", Scenario.COPY, waitfor, count=n, dtype=dtype,
+        src_dtype, dst_dtype = check.mixed_dtypes(srcbuf=src, dstbuf=dst)
+        return self._submit("copy", Scenario.COPY, waitfor, count=n,
+                            operand_dtypes=(src_dtype, None, dst_dtype),
                             stream_flags=stream_flags, buffers=(src, None, dst),
                             sync_in=() if from_fpga else (_head(src, n),),
                             sync_out=None if to_fpga else _head(dst, n))
@@ -245,16 +247,19 @@ class ACCL:
     def combine(self, count: int, func: ReduceFunction, val1: Buffer, val2: Buffer,
                 result: Buffer, val1_from_fpga: bool = False, val2_from_fpga: bool = False,
                 to_fpga: bool = False, *, waitfor: Calls = ()) -> Call:
-        """result[:count] = func(val1, val2), elementwise on the device."""
+        """result[:count] = func(val1, val2), elementwise on the device. float32 and
+        float16 buffers mix: then the CCLO computes in float16, converting float32
+        inputs to float16 first."""
         n, fn = check.count(count), check.function(func)
         a = check.buffer(val1, "val1", self, n)
         b = check.buffer(val2, "val2", self, n)
         out = check.buffer(result, "result", self, n)
-        dtype = check.same_dtype(val1=a, val2=b, result=out)
+        dtypes = check.mixed_dtypes(val1=a, val2=b, result=out)
         sync_in = [_head(buf, n) for buf, on_device in ((a, val1_from_fpga), (b, val2_from_fpga))
                    if not on_device]
         return self._submit("combine", Scenario.COMBINE, waitfor, count=n, function=int(fn),
-                            dtype=dtype, buffers=(a, b, out), sync_in=sync_in,
+                            operand_dtypes=(dtypes[0], dtypes[1], dtypes[2]),
+                            buffers=(a, b, out), sync_in=sync_in,
                             sync_out=None if to_fpga else _head(out, n))
 
     def send(self, srcbuf: Buffer, count: int, dst: int, tag: int = TAG_ANY,

@@ -84,6 +84,20 @@ def same_dtype(**buffers: Buffer | None) -> np.dtype:
     return next(iter(dtypes.values()))
 
 
+def mixed_dtypes(**buffers: Buffer) -> tuple[np.dtype, ...]:
+    """The buffers' dtypes, in order: one dtype, or a pair the CCLO's compression lanes
+    convert between (float32 with float16), for copy and combine."""
+    dtypes = tuple(b.dtype for b in buffers.values())
+    distinct = set(dtypes)
+    if len(distinct) > 1:
+        pair = tuple(sorted(distinct, key=lambda d: -d.itemsize))
+        if pair not in COMPRESSION_PAIRS:
+            listed = ", ".join(f"{n}: {d.name}" for n, d in zip(buffers, dtypes))
+            pairs = ", ".join(f"{a.name} with {b.name}" for a, b in COMPRESSION_PAIRS)
+            raise TypeError(f"buffers must share one dtype or mix {pairs} ({listed})")
+    return dtypes
+
+
 def compression(data: np.dtype, compress_dtype: Any) -> np.dtype | None:
     if compress_dtype is None:
         return None

@@ -17,6 +17,12 @@ from .._constants import GLOBAL_COMM, TAG_ANY, CompressionFlags, ConfigFunction,
 from .._errors import ACCLError, CCLOError, DependencyError, KernelError
 from ..devices import CallArgs, Device, DeviceCall
 
+OperandDtypes = tuple[np.dtype | None, np.dtype | None, np.dtype | None]
+"""Element types of a call's buffers (op0, op1, result); None for a buffer it lacks."""
+
+_OPERAND_FLAGS = (CompressionFlags.OP0_COMPRESSED, CompressionFlags.OP1_COMPRESSED,
+                  CompressionFlags.RES_COMPRESSED)
+
 CONFIG_TIMEOUT = 60.0
 """Seconds the driver waits for one configuration call before giving up on the device."""
 
@@ -131,12 +137,24 @@ class Driver:
     def start(self, scenario: Scenario, *, count: int = 0, comm_id: int = GLOBAL_COMM,
               root_src_dst: int = 0, function: int = 0, tag: int = TAG_ANY,
               dtype: np.dtype | None = None, compress_dtype: np.dtype | None = None,
+              operand_dtypes: OperandDtypes | None = None,
               stream_flags: int = 0, addrs: tuple[int, int, int] = (0, 0, 0),
               waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
-        """Encode one call and hand it to the device."""
+        """Encode one call and hand it to the device.
+
+        `dtype` is the element type of every buffer, `compress_dtype` the one on the
+        wire (ETH_COMPRESSED). For buffers of mixed precision pass `operand_dtypes`
+        instead: the element types of (op0, op1, result), None where the call has no
+        such buffer. Two types select the arithmetic config (wider, narrower) and mark
+        the buffers of the narrower type OP0/OP1/RES_COMPRESSED, as pyaccl does.
+        """
         flags = CompressionFlags.NO_COMPRESSION
         arithcfg = 0
-        if dtype is not None:
+        if operand_dtypes is not None:
+            if dtype is not None:
+                raise TypeError("pass dtype or operand_dtypes, not both")
+            arithcfg, flags = self._operand_compression(operand_dtypes, compress_dtype)
+        elif dtype is not None:
             wire = dtype
             if compress_dtype is not None and compress_dtype != dtype:
                 wire, flags = compress_dtype, CompressionFlags.ETH_COMPRESSED
@@ -144,6 +162,44 @@ class Driver:
         args = CallArgs(int(scenario), count, self.communicators[comm_id][0], root_src_dst,
                         function, tag, arithcfg, int(flags), stream_flags, *addrs)
         return self.device.start(args, waitfor)
+
+    def _operand_compression(self, operand_dtypes: OperandDtypes,
+                             compress_dtype: np.dtype | None) -> tuple[int, CompressionFlags]:
+        """(arithmetic config address, compression flags) for buffers of these element
+        types, as pyaccl chooses them: one dtype is a plain call; two make the
+        narrower one the compressed type, the config (wider, narrower), and set
+        OP0/OP1/RES_COMPRESSED for the buffers of the narrower type. `compress_dtype`
+        equal to the narrower type also compresses the wire (ETH_COMPRESSED)."""
+        present = {d for d in operand_dtypes if d is not None}
+        if len(present) <= 1:
+            if not present:
+                return 0, CompressionFlags.NO_COMPRESSION
+            (dtype,) = present
+            if compress_dtype is None or compress_dtype == dtype:
+                return self._config(dtype, dtype), CompressionFlags.NO_COMPRESSION
+            return self._config(dtype, compress_dtype), CompressionFlags.ETH_COMPRESSED
+        narrow, *_, wide = sorted(present, key=lambda d: d.itemsize)
+        if len(present) > 2 or narrow.itemsize == wide.itemsize:
+            names = ", ".join("-" if d is None else d.name for d in operand_dtypes)
+            raise TypeError(f"operands of types ({names}) are no (uncompressed, compressed) "
+                            "pair: mixed precision takes two types of different sizes")
+        flags = CompressionFlags.NO_COMPRESSION
+        for flag, d in zip(_OPERAND_FLAGS, operand_dtypes):
+            if d == narrow:
+                flags |= flag
+        if compress_dtype is not None and compress_dtype != wide:
+            if compress_dtype != narrow:
+                raise TypeError(f"compress_dtype {compress_dtype.name} is neither of the "
+                                f"operands' types ({wide.name}, {narrow.name})")
+            flags |= CompressionFlags.ETH_COMPRESSED
+        return self._config(wide, narrow), flags
+
+    def _config(self, dtype: np.dtype, wire: np.dtype) -> int:
+        try:
+            return self._arith[(dtype, wire)]
+        except KeyError:
+            raise TypeError(f"the CCLO has no arithmetic config for {dtype.name} "
+                            f"compressed to {wire.name}") from None
 
     @staticmethod
     def error(call: DeviceCall, operation: str) -> Exception | None:

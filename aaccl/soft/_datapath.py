@@ -9,17 +9,36 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _exchmem as xm
-from .._constants import CompressionFlags
+from .._constants import CompressionFlags, ErrorCode
 
 _UFUNCS = {"sum": np.add, "max": np.maximum}
 
+OPERAND_FLAGS = int(CompressionFlags.OP0_COMPRESSED | CompressionFlags.OP1_COMPRESSED
+                    | CompressionFlags.RES_COMPRESSED)
+"""The flags that say a buffer (op0, op1, result) holds compressed elements."""
+
+_SLOT_FLAGS = (CompressionFlags.OP0_COMPRESSED, CompressionFlags.OP1_COMPRESSED,
+               CompressionFlags.RES_COMPRESSED)
+
 
 class UnsupportedConfig(Exception):
-    """The arithmetic config or function does not exist on this CCLO."""
+    """The call's datapath does not exist on this CCLO: the call fails with `code`."""
+
+    def __init__(self, code: ErrorCode = ErrorCode.ARITH_ERROR) -> None:
+        super().__init__(code)
+        self.code = code
 
 
 class Datapath:
-    __slots__ = ("dtype", "wire", "arith", "ufunc")
+    """`dtype`: the uncompressed element type; `wire`: what goes over the network;
+    `arith`: what the arithmetic unit adds; `slots`: the element type of each buffer
+    (op0, op1, result) in memory, the compressed one where its flag is set.
+
+    Conversions between a slot, the arithmetic and the wire are the compression
+    lanes' (numpy's astype, rounding to nearest).
+    """
+
+    __slots__ = ("dtype", "wire", "arith", "ufunc", "slots", "itemsizes")
 
     def __init__(self, cfg: xm.ArithConfig, compression_flags: int, function: int) -> None:
         if cfg.arith_is_compressed:
@@ -39,6 +58,25 @@ class Datapath:
         eth = compression_flags & CompressionFlags.ETH_COMPRESSED
         self.wire = compressed if (eth and compressed is not None) else self.dtype
         self.ufunc = _UFUNCS[op]
+        self.slots: tuple[np.dtype, np.dtype, np.dtype] = (self.dtype, self.dtype, self.dtype)
+        if compression_flags & OPERAND_FLAGS:
+            narrow = self._compressed_dtype(cfg)
+            a, b, c = (narrow if compression_flags & flag else self.dtype for flag in _SLOT_FLAGS)
+            self.slots = (a, b, c)
+        self.itemsizes = tuple(dtype.itemsize for dtype in self.slots)
+
+    def _compressed_dtype(self, cfg: xm.ArithConfig) -> np.dtype:
+        """The element type of compressed operands: the compressor lane's output, which
+        the decompressor lane turns back into the uncompressed type. A config without
+        such a pair of lanes cannot take compressed operands."""
+        lane = xm.COMPRESSION_LANES.get(cfg.compressor_tdest)
+        back = xm.COMPRESSION_LANES.get(cfg.decompressor_tdest)
+        if lane is None or back != (lane[1], lane[0]) or lane[0] != self.dtype \
+                or lane[1].itemsize != cfg.compressed_elem_bytes or cfg.elem_ratio_log:
+            raise UnsupportedConfig(ErrorCode.COMPRESSION_ERROR)
+        if self.arith not in lane:  # arithmetic on neither side of the lanes
+            raise UnsupportedConfig(ErrorCode.ARITH_ERROR)
+        return lane[1]
 
     def to_wire(self, data: np.ndarray) -> np.ndarray:
         return data if self.wire == self.dtype else data.astype(self.wire)

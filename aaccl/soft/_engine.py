@@ -24,7 +24,7 @@ from .._constants import ConfigFunction, ErrorCode, Scenario
 from ..devices import CallArgs
 from .algorithms import Copy, Incoming, Local, Send, Step, schedule
 from .fabric import COMPLETED, Key, Message, PeerTimeout, PostedRecv, RxPool, SendRequest
-from ._datapath import Datapath, UnsupportedConfig
+from ._datapath import OPERAND_FLAGS, Datapath, UnsupportedConfig
 
 if TYPE_CHECKING:
     from ._device import SoftDevice
@@ -129,8 +129,8 @@ class Engine:
         if path is None:
             try:
                 path = self._paths[key] = Datapath(cfg, args.compression_flags, args.function)
-            except UnsupportedConfig:
-                raise CallFailed(ErrorCode.ARITH_ERROR) from None
+            except UnsupportedConfig as unsupported:
+                raise CallFailed(unsupported.code) from None
         return path
 
     def _peer(self, comm: _Comm, index: int) -> int:
@@ -191,6 +191,10 @@ class Engine:
                 return _Config(self, args) if scenario == Scenario.CONFIG else Task()
             if args.stream_flags:
                 raise CallFailed(ErrorCode.COLLECTIVE_NOT_IMPLEMENTED)  # no kernel streams here
+            if args.compression_flags & OPERAND_FLAGS \
+                    and scenario not in (Scenario.COPY, Scenario.COMBINE):
+                # compressed buffers (mixed precision) are modelled for copy and combine only
+                raise CallFailed(ErrorCode.COMPRESSION_ERROR)
             if scenario == Scenario.SEND:
                 return _SendTask(self, args, ticket)
             if scenario == Scenario.RECV:
@@ -312,6 +316,10 @@ class _RecvTask(Task):
             self.engine.dev.inbox.cancel(self.key, self.src, self.posted)
 
 
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
 def _reads(step: Step) -> tuple[Local | Incoming, ...]:
     return (step.src,) if isinstance(step, (Send, Copy)) else (step.a, step.b)
 
@@ -344,7 +352,7 @@ class _Run(Task):
         self.engine, self.dev, self.args, self.comm, self.seq = engine, engine.dev, args, comm, seq
         self.path = engine.datapath(args)
         self.addrs = (args.addr_0, args.addr_1, args.addr_2)
-        self.itemsize = self.path.dtype.itemsize
+        self.itemsizes = self.path.itemsizes
         self.plan, self.pc = plan.steps, 0
         self.sending: list[tuple[int, int, SendRequest]] = []  # rendezvous payloads in our memory
         self.taken: dict[Incoming, Message] = {}  # messages the current step holds
@@ -352,8 +360,8 @@ class _Run(Task):
         self.saved: dict[tuple[Local, int], np.ndarray] = {}  # inputs as they were (in place)
         # each slot's elements as far as the plan reaches, resolved once
         self.reach = plan.reach
-        self.views = [self.dev.array(address, self.path.dtype, n) if n else None
-                      for address, n in zip(self.addrs, plan.reach)]
+        self.views = [self.dev.array(address, dtype, n) if n else None
+                      for address, dtype, n in zip(self.addrs, self.path.slots, plan.reach)]
         self._save_overwritten_inputs(plan.steps)
 
     def advance(self, blocking: bool, resume: Resume) -> None:
@@ -393,14 +401,16 @@ class _Run(Task):
             self.engine.abandon(self.args, self.seq)  # peers' messages would fill rx buffers
 
     def _span(self, loc: Local, count: int) -> tuple[int, int]:
-        start = self.addrs[loc.slot] + loc.offset * self.itemsize
-        return start, start + count * self.itemsize
+        itemsize = self.itemsizes[loc.slot]
+        start = self.addrs[loc.slot] + loc.offset * itemsize
+        return start, start + count * itemsize
 
     def _save_overwritten_inputs(self, steps: list[Step]) -> None:
         """In place (buffers of two slots overlap), a step may read an input that an
         earlier step overwrote through the other slot, e.g. a rank's own contribution
         to a reduction folded in rank order: keep a copy of such inputs for it."""
-        spans = [(a, a + n * self.itemsize) for a, n in zip(self.addrs, self.reach) if n]
+        spans = [(a, a + n * size) for a, n, size in zip(self.addrs, self.reach, self.itemsizes)
+                 if n]
         if not any(a0 < b1 and b0 < a1 for i, (a0, a1) in enumerate(spans)
                    for b0, b1 in spans[i + 1:]):
             return  # not in place: the buffers the plan uses are apart
@@ -421,8 +431,14 @@ class _Run(Task):
 
     @staticmethod
     def _copy(src: list[np.ndarray], dst: np.ndarray) -> None:
-        if not np.shares_memory(src[0], dst):
-            np.copyto(dst, src[0], casting="unsafe")
+        data = src[0]
+        if np.shares_memory(data, dst):
+            if data.dtype == dst.dtype and _address(data) == _address(dst):
+                return  # in place: the elements are where they belong
+            # overlapping, shifted or converted (a compressed slot): numpy does not
+            # convert overlapping arrays in a safe order, so read everything first
+            data = data.copy()
+        np.copyto(dst, data, casting="unsafe")
 
     def _combine(self, ab: list[np.ndarray], dst: np.ndarray) -> None:
         self.path.combine(ab[0], ab[1], dst)
@@ -450,7 +466,7 @@ class _Run(Task):
     def _local(self, loc: Local, count: int) -> np.ndarray:
         view = self.views[loc.slot]
         if view is None:
-            return np.empty(0, self.path.dtype)
+            return np.empty(0, self.path.slots[loc.slot])
         return view[loc.offset:loc.offset + count]
 
     def _key(self, tag: int) -> Key:
