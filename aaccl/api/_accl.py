@@ -90,6 +90,19 @@ class ACCL:
                     self._outstanding.discard(pending)
             await anyio.to_thread.run_sync(self._driver.close)
 
+    def _close_blocking(self) -> None:
+        """aclose for a thread without an event loop (aaccl.compat)."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            pending = list(self._outstanding)
+        for call in pending:
+            done = threading.Event()
+            if call._register(done.set):
+                done.wait()
+        self._driver.close()
+
     # -- memory and communicators ---------------------------------------------------
 
     def allocate(self, shape: int | tuple[int, ...], dtype: Any = np.float32) -> Buffer:

@@ -80,6 +80,19 @@ class Call:
         self._mark_retrieved()
         return self._error
 
+    def wait(self, timeout: float | None = None) -> None:
+        """Block this thread until the call finished, then raise its error, as `await`
+        would: for code without an event loop (threads, `aaccl.compat`). Never call it
+        on an event loop's thread. TimeoutError if `timeout` seconds pass first (the
+        call goes on)."""
+        if not self._finished:
+            finished = threading.Event()
+            if self._register(finished.set) and not finished.wait(timeout):
+                raise TimeoutError(f"{self.name} did not finish within {timeout} s")
+        self._mark_retrieved()
+        if self._error is not None:
+            raise self._error
+
     def _register(self, wake: Callable[[], None]) -> bool:
         with self._lock:
             if self._finished:

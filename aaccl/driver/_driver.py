@@ -32,8 +32,12 @@ class Driver:
 
     def __init__(self, device: Device, local_rank: int, ranks: Sequence[xm.RankRecord], *,
                  nbufs: int = 16, bufsize: int = 1024, timeout: float = 10.0,
-                 max_eager_size: int | None = None) -> None:
+                 max_eager_size: int | None = None,
+                 arith_configs: dict[tuple[np.dtype, np.dtype], xm.ArithConfig] | None = None,
+                 ) -> None:
         self.device = device
+        self.arith_configs = dict(xm.DEFAULT_ARITH_CONFIGS if arith_configs is None
+                                  else arith_configs)
         self.nbufs, self.bufsize, self.timeout = nbufs, bufsize, timeout
         self.max_eager_size = bufsize * max(1, nbufs // 4) if max_eager_size is None else max_eager_size
         self.max_rendezvous_size = max(bufsize * nbufs, self.max_eager_size + 1)
@@ -57,7 +61,7 @@ class Driver:
         self._setup_rx_buffers()
         self._setup_spares()
         self._write_communicator(self._world)
-        for key, cfg in xm.DEFAULT_ARITH_CONFIGS.items():
+        for key, cfg in self.arith_configs.items():
             self._arith[key] = self._write_record(cfg.words())
         self._write_words(xm.GATHER_FLAT_TREE_MAX_FANIN, [2, 32 * 1024, 3, 4, min(self.max_rendezvous_size // 4, 32 * 1024)])
         self.device.mmio_write(xm.CFGRDY, 1)
