@@ -208,6 +208,23 @@ def test_split_communicator_appends_and_returns_none(world: Any,
         ranks[0].split_communicator([1, 2])
 
 
+def test_readback_shows_the_messages_counted_per_peer(world: Any,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    a0, a1, _ = world(3)
+    src, dst = a0.allocate((4,)), a1.allocate((4,))
+    for _ in range(2):
+        a0.send(src, 4, 1, 0)
+    a1.recv(dst, 4, 0, 0)
+    a0.communicators[0].readback()
+    a1.communicators[0].readback()
+    capsys.readouterr()
+    assert [r["outbound_seq_number"] for r in a0.communicators[0].ranks] == [0, 2, 0]
+    assert [r["inbound_seq_number"] for r in a1.communicators[0].ranks] == [1, 0, 0]
+    assert "Rank 1 -> IP: 127.0.0.1, Port: 9001, Session: 1, SegSize: 1024, ISeq: 0, OSeq: 2" \
+        in str(a0.communicators[0])
+    a1.recv(dst, 4, 0, 0)
+
+
 def test_tables_and_enums_keep_pyaccl_names() -> None:
     cfg = ACCL_DEFAULT_ARITH_CONFIG[("float32", "float16")]
     assert (cfg.uncompressed_elem_bytes, cfg.compressed_elem_bytes, cfg.arith_is_compressed) \

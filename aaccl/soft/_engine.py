@@ -76,6 +76,10 @@ class _Config(Task):
             raise CallFailed(ErrorCode(code))
 
 
+INBOUND_SEQ, OUTBOUND_SEQ = 2, 3
+"""Words of a rank's communicator record that count messages from and to it."""
+
+
 class _Comm:
     """A communicator as read from exchange memory, with its matching key."""
 
@@ -149,6 +153,7 @@ class Engine:
                 slot = (comm.key, self._peer(comm, args.root_src_dst))
                 seq = self._send_seq.get(slot, 0)
                 self._send_seq[slot] = seq + 1
+                self.count_message(args, OUTBOUND_SEQ)
                 return seq
             if scenario == Scenario.RECV:
                 comm = self.comm(args.comm)
@@ -162,6 +167,13 @@ class Engine:
         except CallFailed as failed:
             return failed
         return None
+
+    def count_message(self, args: CallArgs, field: int) -> None:
+        """Count a send or receive in the peer's record of the communicator, as the
+        firmware does (the soft CCLO orders messages by its own counters; this is
+        for the host, which reads the record back)."""
+        word = (args.comm + 4 * (2 + xm.RankRecord.WORDS * args.root_src_dst + field)) // 4
+        self.dev.exchmem[word] += 1
 
     def abandon(self, args: CallArgs, ticket: Any) -> None:
         """The call will never run: give back its place in the message order."""
@@ -300,6 +312,7 @@ class _RecvTask(Task):
                 raise Park
             msg = waiting
         self.taken = True
+        self.engine.count_message(args, INBOUND_SEQ)
         try:
             data = dev.inbox.data(msg)
             if data.nbytes != args.count * path.wire.itemsize:
