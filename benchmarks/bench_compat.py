@@ -23,7 +23,6 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 
 import bench_inprocess as async_bench
 from _common import MiB, add_run_options, fmt_time, report, spread

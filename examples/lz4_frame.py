@@ -173,10 +173,8 @@ class Slots:
     which costs microseconds."""
 
     def __init__(self, accl: aaccl.ACCL, brick: int) -> None:
-        # Buffers hold the CCLO's dtypes only: allocate int64, use them as bytes.
-        def byte_buffer(nbytes: int) -> aaccl.Buffer:
-            return accl.allocate(-(-nbytes // 8), np.int64).view(np.uint8)[:nbytes]
-        self.src, self.dst = byte_buffer(brick * BLOCK), byte_buffer(brick * SLOT)
+        self.src = accl.allocate(brick * BLOCK, np.uint8)
+        self.dst = accl.allocate(brick * SLOT, np.uint8)
         self.lengths = accl.allocate(brick, np.int64)
         self._blocks = [(self.src[j * BLOCK:(j + 1) * BLOCK], self.dst[j * SLOT:(j + 1) * SLOT])
                         for j in range(brick)]

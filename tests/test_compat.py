@@ -265,8 +265,8 @@ def test_bad_arguments_fail_before_anything_reaches_the_device(world: Any) -> No
     with pytest.raises(ValueError, match="local_rank 2"):
         accl(2, 2, sim_mode=True)
     a0, a1 = world(2)
-    with pytest.raises(TypeError, match="dtype"):
-        a0.allocate((4,), np.int8)
+    with pytest.raises(TypeError, match="does not move"):
+        a0.copy(a0.allocate((4,), np.int8), a0.allocate((4,), np.int8), 4)
     with pytest.raises(ValueError, match="belongs to another rank"):
         a0.copy(a1.allocate((4,)), a0.allocate((4,)), 4)
     with pytest.raises(ValueError, match="unknown comm_id"):

@@ -298,6 +298,22 @@ async def test_closing_waits_for_outstanding_kernels() -> None:
 
 # -- checks --------------------------------------------------------------------------------
 
+async def test_kernels_and_transfers_take_buffers_of_any_plain_dtype() -> None:
+    async with aaccl.open_world(1) as (accl,):
+        raw = accl.allocate(6, np.uint8)
+        flags = accl.allocate((2, 3), np.bool_)
+        raw[:] = np.arange(6)
+        up = accl.sync_to_device(raw)
+        moved = accl.kernel(lambda r, f: np.greater(r.reshape(2, 3), 2, out=f))(
+            raw, flags, waitfor=[up])
+        await accl.sync_from_device(flags, waitfor=[moved])
+        np.testing.assert_array_equal(flags, [[False, False, False], [True, True, True]])
+        with pytest.raises(TypeError, match="holds Python objects"):
+            accl.allocate(3, object)
+        with pytest.raises(TypeError, match="uint8, which the CCLO does not move"):
+            accl.copy(raw, raw, 6)
+
+
 async def test_bad_kernels_and_arguments_fail_before_anything_runs() -> None:
     ran: list[int] = []
     async with aaccl.open_world(2) as (a, b):

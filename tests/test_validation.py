@@ -58,6 +58,8 @@ class Env:
     small: aaccl.Buffer
     big: aaccl.Buffer
     d64b: aaccl.Buffer
+    u8: aaccl.Buffer
+    c64: aaccl.Buffer
     their_call: aaccl.Call
     my_call: aaccl.Call
 
@@ -69,7 +71,8 @@ async def make_env(accls: list[aaccl.ACCL]) -> Env:
     await my_call
     return Env(me, other, me.allocate(8), me.allocate(8), me.allocate(8, np.float64),
                me.allocate(8, np.int32), me.allocate((4, 4)), other.allocate(8),
-               me.allocate(4), me.allocate(16), me.allocate(8, np.float64), their_call, my_call)
+               me.allocate(4), me.allocate(16), me.allocate(8, np.float64),
+               me.allocate(32, np.uint8), me.allocate(8, np.complex64), their_call, my_call)
 
 
 async def check_usable(accls: list[aaccl.ACCL]) -> None:
@@ -195,12 +198,13 @@ CASES: list[Case] = [
     ("split-empty", lambda e: e.me.split_communicator([]), ValueError),
     ("split-float", lambda e: e.me.split_communicator([0, 1.0]), TypeError),
     # allocate
-    ("allocate-int8", lambda e: e.me.allocate(4, np.int8), TypeError),
-    ("allocate-uint32", lambda e: e.me.allocate(4, np.uint32), TypeError),
-    ("allocate-complex64", lambda e: e.me.allocate(4, np.complex64), TypeError),
-    ("allocate-complex128", lambda e: e.me.allocate(4, complex), TypeError),
-    ("allocate-bool", lambda e: e.me.allocate(4, bool), TypeError),
-    ("allocate-bytes", lambda e: e.me.allocate(4, "S4"), TypeError),
+    # dtypes the CCLO does not move (they serve kernels and transfers)
+    ("uint8-copy", lambda e: e.me.copy(e.u8, e.u8, 4), TypeError),
+    ("uint8-send", lambda e: e.me.send(e.u8, 4, 1), TypeError),
+    ("uint8-bcast", lambda e: e.me.bcast(e.u8, 4, 0), TypeError),
+    ("complex-allreduce", lambda e: e.me.allreduce(e.c64, e.c64, 4, SUM), TypeError),
+    ("complex-combine", lambda e: e.me.combine(4, SUM, e.c64, e.c64, e.c64), TypeError),
+    ("uint8-recv", lambda e: e.me.recv(e.u8, 4, 1), TypeError),
     ("allocate-object", lambda e: e.me.allocate(4, object), TypeError),
     ("allocate-not-a-dtype", lambda e: e.me.allocate(4, "nonsense"), TypeError),
 ]

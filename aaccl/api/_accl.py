@@ -106,7 +106,9 @@ class ACCL:
     # -- memory and communicators ---------------------------------------------------
 
     def allocate(self, shape: int | tuple[int, ...], dtype: Any = np.float32) -> Buffer:
-        """A zeroed host array with a twin in this rank's device memory."""
+        """A zeroed host array with a twin in this rank's device memory. The CCLO moves
+        float16/32/64 and int32/64; buffers of other dtypes (bytes, say) serve kernels
+        and transfers."""
         self._check_open()
         return allocate(self._driver.device, self, shape, check.dtype(dtype))
 
@@ -210,7 +212,7 @@ class ACCL:
     def _run_kernel(self, kernel: Kernel, args: tuple[Any, ...], waitfor: Calls) -> Call:
         self._check_open()
         deps = check.waitfor(waitfor, self)
-        buffers = tuple(check.buffer(a, f"argument {i} of {kernel.name}", self, 0)
+        buffers = tuple(check.buffer(a, f"argument {i} of {kernel.name}", self, 0, cclo=False)
                         for i, a in enumerate(args) if isinstance(a, Buffer))
         submitted = time.perf_counter_ns() if _trace.active() is not None else 0
         device_call = kernel._start(self._driver.device, args, [d._device for d in deps])
@@ -232,7 +234,7 @@ class ACCL:
                   waitfor: Calls) -> Call:
         self._check_open()
         deps = check.waitfor(waitfor, self)
-        region = check.buffer(buf, "buf", self, 0)
+        region = check.buffer(buf, "buf", self, 0, cclo=False)
         submitted = time.perf_counter_ns() if _trace.active() is not None else 0
         device_call = self._driver.device.run(lambda: move(region), [d._device for d in deps])
         return self._track(op, "dma", device_call, deps, submitted, buffers=(region,))

@@ -14,14 +14,20 @@ from ._call import Call
 
 
 def dtype(value: Any) -> np.dtype:
+    """A dtype a buffer can hold: any numpy dtype of plain data. The CCLO itself moves
+    only SUPPORTED_DTYPES (`buffer` checks that per call); the others (bytes, int8,
+    complex, records) serve kernels and transfers."""
     try:
         dt = np.dtype(value)
     except TypeError:
         raise TypeError(f"{value!r} is not a dtype") from None
-    if dt not in SUPPORTED_DTYPES:
-        names = ", ".join(d.name for d in SUPPORTED_DTYPES)
-        raise TypeError(f"dtype {dt.name} is not supported by the CCLO: use one of {names}")
+    if dt.hasobject:
+        raise TypeError(f"dtype {dt} holds Python objects, which device memory cannot")
     return dt
+
+
+def _cclo_dtypes() -> str:
+    return ", ".join(d.name for d in SUPPORTED_DTYPES)
 
 
 def _integer(value: Any, name: str) -> int:
@@ -62,8 +68,9 @@ def function(value: Any) -> ReduceFunction:
         raise ValueError(f"{value!r} is not a reduce function: use ReduceFunction ({names})") from None
 
 
-def buffer(buf: Any, name: str, owner: object, elements: int) -> Buffer:
-    """A buffer of this rank holding at least `elements` elements."""
+def buffer(buf: Any, name: str, owner: object, elements: int, cclo: bool = True) -> Buffer:
+    """A buffer of this rank holding at least `elements` elements, of a dtype the CCLO
+    moves (unless `cclo` is False: kernels and transfers take any)."""
     if not isinstance(buf, Buffer):
         raise TypeError(f"{name} must be a Buffer from ACCL.allocate(), "
                         f"not {type(buf).__name__}")
@@ -73,6 +80,10 @@ def buffer(buf: Any, name: str, owner: object, elements: int) -> Buffer:
     _ = buf.device_address  # raises for views that are not device memory
     if elements > buf.size:
         raise ValueError(f"{name} holds {buf.size} elements, the call needs {elements}")
+    if cclo and buf.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} holds {buf.dtype}, which the CCLO does not move (it moves "
+                        f"{_cclo_dtypes()}); buffers of other dtypes serve kernels and "
+                        "transfers")
     return buf
 
 
