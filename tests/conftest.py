@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import anyio
 import numpy as np
 import pytest
+
+import aaccl
 
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
 
@@ -18,3 +21,25 @@ def reference_inputs(rank: int, shape: int | tuple[int, ...], dtype: type,
     """Deterministic per-rank data that sums without overflow or rounding surprises."""
     rng = np.random.default_rng(seed * 1000 + rank)
     return rng.integers(-50, 50, size=shape).astype(dtype)
+
+
+def on_device(buf: aaccl.Buffer) -> np.ndarray:
+    """What the device holds for `buf`, leaving the host copy alone."""
+    saved = np.array(buf)
+    buf.sync_from_device()
+    out = np.array(buf)
+    buf[...] = saved
+    return out
+
+
+async def run_ranks(accls, fn) -> list:
+    """Run `fn(accl)` for every rank as tasks of one task group; results in rank order."""
+    results: list = [None] * len(accls)
+
+    async def rank(accl: aaccl.ACCL) -> None:
+        results[accl.rank] = await fn(accl)
+
+    async with anyio.create_task_group() as tasks:
+        for accl in accls:
+            tasks.start_soon(rank, accl)
+    return results

@@ -17,6 +17,7 @@ import pytest
 
 import aaccl
 from aaccl import CCLOError, DependencyError, ErrorCode, ReduceFunction
+from conftest import on_device, run_ranks
 
 pytestmark = pytest.mark.anyio
 
@@ -27,33 +28,11 @@ def filled(accl: aaccl.ACCL, values: np.ndarray) -> aaccl.Buffer:
     return buf
 
 
-def on_device(buf: aaccl.Buffer) -> np.ndarray:
-    """What the device holds for `buf`, leaving the host copy alone."""
-    saved = np.array(buf)
-    buf.sync_from_device()
-    out = np.array(buf)
-    buf[...] = saved
-    return out
-
-
 async def wait_until(predicate, timeout: float = 5.0) -> None:
     """Wait (polling) until `predicate()` holds: a real condition, not a guess of time."""
     with anyio.fail_after(timeout):
         while not predicate():
             await anyio.sleep(0.002)
-
-
-async def run_ranks(accls, fn) -> list:
-    """Run `fn(accl)` for every rank as tasks of one task group; results in rank order."""
-    results: list = [None] * len(accls)
-
-    async def rank(accl: aaccl.ACCL) -> None:
-        results[accl.rank] = await fn(accl)
-
-    async with anyio.create_task_group() as tasks:
-        for accl in accls:
-            tasks.start_soon(rank, accl)
-    return results
 
 
 # -- chains and graphs -------------------------------------------------------------------

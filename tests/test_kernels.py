@@ -16,7 +16,7 @@ import pytest
 
 import aaccl
 from aaccl import DependencyError, ErrorCode, KernelError, ReduceFunction
-from conftest import DTYPES, reference_inputs
+from conftest import DTYPES, on_device, reference_inputs, run_ranks
 
 pytestmark = pytest.mark.anyio
 
@@ -27,27 +27,6 @@ def scale(x: np.ndarray, factor: float) -> None:
 
 def add_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     np.add(a, b, out=out)
-
-
-def on_device(buf: aaccl.Buffer) -> np.ndarray:
-    """What the device holds for `buf`, leaving the host copy alone."""
-    saved = np.array(buf)
-    buf.sync_from_device()
-    out = np.array(buf)
-    buf[...] = saved
-    return out
-
-
-async def run_ranks(accls, fn) -> list:
-    results: list = [None] * len(accls)
-
-    async def rank(accl: aaccl.ACCL) -> None:
-        results[accl.rank] = await fn(accl)
-
-    async with anyio.create_task_group() as tasks:
-        for accl in accls:
-            tasks.start_soon(rank, accl)
-    return results
 
 
 # -- chains --------------------------------------------------------------------------------
