@@ -290,3 +290,74 @@ def test_no_emulator_is_a_prompt_clear_error() -> None:
     with pytest.raises(Exception, match="no ACCL emulator answers at tcp://127.0.0.1"):
         aaccl.run(lambda accl: accl.nop(), 2, device="emulator", emulator_port=port)
     assert time.monotonic() - started < 15
+
+
+def test_python_kernels_and_transfers_between_firmware_calls(tcp2: int) -> None:
+    """Upload, a kernel on staged device memory, the firmware's allreduce, a kernel,
+    a download: one chain, one await."""
+    count = 300
+
+    def scale(x: np.ndarray, factor: int) -> None:
+        x *= factor
+
+    async def main(accl: aaccl.ACCL) -> list:
+        src, dst = accl.allocate(count, np.int32), accl.allocate(count, np.int32)
+        src[:] = np.arange(count) + accl.rank
+        kernel = accl.kernel(scale)
+        up = accl.sync_to_device(src)
+        doubled = kernel(src, 2, waitfor=[up])
+        summed = accl.allreduce(src, dst, count, SUM, from_fpga=True, to_fpga=True,
+                                waitfor=[doubled])
+        tripled = kernel(dst, 3, waitfor=[summed])
+        await accl.sync_from_device(dst, waitfor=[tripled])
+        np.testing.assert_array_equal(dst, 3 * 2 * (2 * np.arange(count) + 1))
+        return [np.array(dst)]
+
+    assert_same(*run_both(main, 2, tcp2, "tcp"), "kernels")
+
+
+def test_mixed_precision_copy_and_combine(tcp2: int) -> None:
+    """OP0/OP1/RES_COMPRESSED on the real firmware: float32 into float16 and back."""
+    count = 300
+    data = inputs_of(0, count, np.float32, 4)
+
+    async def main(accl: aaccl.ACCL) -> list:
+        a = accl.allocate(count, np.float32)
+        half, back = accl.allocate(count, np.float16), accl.allocate(count, np.float32)
+        total = accl.allocate(count, np.float16)
+        a[:] = data
+        await accl.copy(a, half, count)
+        await accl.copy(half, back, count)
+        await accl.combine(count, SUM, a, a, total)
+        return [np.array(half), np.array(back), np.array(total)]
+
+    emulated, soft = run_both(main, 1, tcp2, "tcp")
+    h = data.astype(np.float16)
+    np.testing.assert_array_equal(soft[0][0], h)
+    np.testing.assert_array_equal(soft[0][2], h + h)
+    for e, t in ((emulated[0][0], True), (emulated[0][1], True)):  # the lanes truncate
+        np.testing.assert_array_equal(e.astype(np.float16), to_float16(data, truncate=t))
+    np.testing.assert_allclose(emulated[0][2], h + h, rtol=2e-3)
+
+
+def test_pyaccl_compat_on_the_emulator(tcp2: int) -> None:
+    """aaccl.compat with pyaccl's sim_sock drives the emulator from one thread in turn,
+    as pyaccl's primitives notebook does."""
+    from aaccl.compat import ACCLReduceFunctions, accl
+
+    ranks = [accl(2, i, sim_mode=True, sim_sock=f"tcp://localhost:{tcp2 + i}")
+             for i in range(2)]
+    try:
+        src, dst = ranks[0].allocate((10,)), ranks[1].allocate((10,))
+        src[:] = np.arange(10)
+        ranks[0].send(src, len(src), 1, tag=0)
+        ranks[1].recv(dst, len(dst), 0, tag=0)
+        np.testing.assert_array_equal(dst, np.arange(10))
+        result = ranks[0].allocate((10,))
+        ranks[0].combine(10, ACCLReduceFunctions.SUM, src, src, result)
+        np.testing.assert_array_equal(result, 2 * np.arange(10))
+        ranks[0].communicators[0].readback()
+        assert ranks[0].communicators[0].ranks[1]["outbound_seq_number"] == 1
+    finally:
+        for r in ranks:
+            r.deinit()
