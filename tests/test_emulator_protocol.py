@@ -765,7 +765,7 @@ def test_a_python_kernel_between_firmware_calls_works_on_staged_device_memory(
         src, mid, dst = (accl.allocate(n, np.int32) for _ in range(3))
         src[:] = np.arange(n)
         copied = accl.copy(src, mid, n, to_fpga=True)
-        negated = accl.kernel(np.negative)(mid, mid, waitfor=[copied])
+        negated = accl.kernel(np.negative)(mid, out=mid, waitfor=[copied])  # one copy
         await accl.copy(mid, dst, n, from_fpga=True, waitfor=[negated])
         np.testing.assert_array_equal(mid, 0)  # the host copy of mid never moved
         await accl.sync_from_device(mid)

@@ -84,6 +84,23 @@ async def test_kernel_arguments_keep_their_shape_and_pass_other_values_as_they_a
         assert grid[1, 2] == 42 and grid.sum() == 42
 
 
+async def test_keyword_arguments_and_one_buffer_passed_twice() -> None:
+    def axpy(y: np.ndarray, *, x: np.ndarray, a: float) -> None:
+        y += a * x
+
+    async with aaccl.open_world(1) as (accl,):
+        x, y = accl.allocate(5), accl.allocate(5)
+        x[:], y[:] = np.arange(5), 1
+        up = [accl.sync_to_device(x), accl.sync_to_device(y)]
+        done = accl.kernel(axpy)(y, x=x, a=2.0, waitfor=up)
+        doubled = accl.kernel(np.add)(y, y, out=y, waitfor=[done])
+        await accl.sync_from_device(y, waitfor=[doubled])
+        np.testing.assert_array_equal(y, 2 * (1 + 2 * np.arange(5)))
+        with pytest.raises(ValueError, match="argument out of add belongs to another rank"):
+            async with aaccl.open_world(1) as (other,):
+                accl.kernel(np.add)(y, y, out=other.allocate(5))
+
+
 async def test_transfers_of_slices_move_just_their_elements() -> None:
     async with aaccl.open_world(1) as (accl,):
         buf = accl.allocate(10, np.float32)

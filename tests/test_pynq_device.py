@@ -407,6 +407,8 @@ async def test_an_overlay_kernel_chains_on_the_card_between_cclo_calls(fake: Fak
         assert accl.kernel(fake.overlays[0].vadd_0).name == "FakeVadd"
         with pytest.raises(DeviceError, match="no kernel vadd_7 .*vadd_0"):
             accl.kernel("vadd_7")
+        with pytest.raises(TypeError, match="by position"):
+            vadd(a, b, total, n=n)
         gate = fake.hold(Scenario.COPY)
         copied = accl.copy(a, a, n, to_fpga=True)
         up = accl.sync_to_device(b)

@@ -209,13 +209,16 @@ class ACCL:
         label = name or str(getattr(target, "__name__", type(target).__name__))
         return Kernel(self, target, label, hardware)
 
-    def _run_kernel(self, kernel: Kernel, args: tuple[Any, ...], waitfor: Calls) -> Call:
+    def _run_kernel(self, kernel: Kernel, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    waitfor: Calls) -> Call:
         self._check_open()
         deps = check.waitfor(waitfor, self)
         buffers = tuple(check.buffer(a, f"argument {i} of {kernel.name}", self, 0, cclo=False)
-                        for i, a in enumerate(args) if isinstance(a, Buffer))
+                        for i, a in [*enumerate(args), *kwargs.items()]
+                        if isinstance(a, Buffer))
         submitted = time.perf_counter_ns() if _trace.active() is not None else 0
-        device_call = kernel._start(self._driver.device, args, [d._device for d in deps])
+        device_call = kernel._start(self._driver.device, args, kwargs,
+                                    [d._device for d in deps])
         return self._track(f"kernel {kernel.name}", "kernel", device_call, deps, submitted,
                            buffers=buffers)
 

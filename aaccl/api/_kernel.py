@@ -38,19 +38,24 @@ class Kernel:
     def __init__(self, accl: ACCL, target: Any, name: str, on_card: bool) -> None:
         self.name, self._accl, self._target, self._on_card = name, accl, target, on_card
 
-    def __call__(self, *args: Any, waitfor: Iterable[Call] = ()) -> Call:
-        """Start one run with `args` once every call in `waitfor` succeeded."""
-        return self._accl._run_kernel(self, args, waitfor)
+    def __call__(self, *args: Any, waitfor: Iterable[Call] = (), **kwargs: Any) -> Call:
+        """Start one run with these arguments once every call in `waitfor` succeeded.
+        A Python kernel's return value is dropped: results go into its buffers."""
+        if kwargs and self._on_card:
+            raise TypeError(f"kernel {self.name} runs on the card: pass its arguments "
+                            "by position, as PYNQ does")
+        return self._accl._run_kernel(self, args, kwargs, waitfor)
 
     def __repr__(self) -> str:
         return f"<Kernel {self.name} of rank {self._accl.rank}>"
 
-    def _start(self, device: Device, args: Sequence[Any], waitfor: Sequence[Any]) -> Any:
+    def _start(self, device: Device, args: Sequence[Any], kwargs: dict[str, Any],
+               waitfor: Sequence[Any]) -> Any:
         """The device call of one run (arguments checked by the caller)."""
         if self._on_card:
             card: Any = device  # PynqDevice: the one device with kernels of its own
             return card.start_kernel(self._target, args, waitfor)
-        return device.run(python_job(device, self._target, args), waitfor)
+        return device.run(python_job(device, self._target, args, kwargs), waitfor)
 
 
 def on_card(device: Device, target: Any) -> bool:
@@ -64,26 +69,39 @@ def on_card(device: Device, target: Any) -> bool:
                     f"overlay (such as overlay.vadd_1), not {type(target).__name__}")
 
 
-def python_job(device: Device, fn: Callable[..., Any], args: Sequence[Any]) -> Callable[[], None]:
-    """The job that runs `fn(*args)` with Buffers seen as device memory."""
+def python_job(device: Device, fn: Callable[..., Any], args: Sequence[Any],
+               kwargs: dict[str, Any]) -> Callable[[], None]:
+    """The job that runs `fn(*args, **kwargs)` with Buffers seen as device memory."""
     array: Callable[[int, np.dtype, int], np.ndarray] | None = getattr(device, "array", None)
-    slots = [i for i, a in enumerate(args) if isinstance(a, Buffer)]
+    places = [i for i, a in enumerate(args) if isinstance(a, Buffer)]
+    names = [k for k, a in kwargs.items() if isinstance(a, Buffer)]
     if array is not None:  # the soft CCLO: in place
         def in_device_memory() -> None:
-            bound = list(args)
-            for i in slots:
-                buf = args[i]
-                bound[i] = array(buf.device_address, buf.dtype, buf.size).reshape(buf.shape)
-            fn(*bound)
+            def view(buf: Buffer) -> np.ndarray:
+                return array(buf.device_address, buf.dtype, buf.size).reshape(buf.shape)
+            bound, named = list(args), dict(kwargs)
+            for i in places:
+                bound[i] = view(args[i])
+            for k in names:
+                named[k] = view(kwargs[k])
+            fn(*bound, **named)
         return in_device_memory
 
     def staged() -> None:  # a remote memory: read, run, write back
-        bound = list(args)
-        for i in slots:
-            copy = np.empty(args[i].shape, args[i].dtype)
-            device.read(args[i].device_address, copy)
-            bound[i] = copy
-        fn(*bound)
-        for i in slots:
-            device.write(args[i].device_address, bound[i])
+        copies: dict[int, np.ndarray] = {}
+
+        def copy(buf: Buffer) -> np.ndarray:  # a buffer passed twice is one array
+            if id(buf) not in copies:
+                copies[id(buf)] = np.empty(buf.shape, buf.dtype)
+                device.read(buf.device_address, copies[id(buf)])
+            return copies[id(buf)]
+        bound, named = list(args), dict(kwargs)
+        for i in places:
+            bound[i] = copy(args[i])
+        for k in names:
+            named[k] = copy(kwargs[k])
+        fn(*bound, **named)
+        written = {id(b): b for b in [args[i] for i in places] + [kwargs[k] for k in names]}
+        for key, buf in written.items():
+            device.write(buf.device_address, copies[key])
     return staged
