@@ -73,35 +73,32 @@ def python_job(device: Device, fn: Callable[..., Any], args: Sequence[Any],
                kwargs: dict[str, Any]) -> Callable[[], None]:
     """The job that runs `fn(*args, **kwargs)` with Buffers seen as device memory."""
     array: Callable[[int, np.dtype, int], np.ndarray] | None = getattr(device, "array", None)
-    places = [i for i, a in enumerate(args) if isinstance(a, Buffer)]
-    names = [k for k, a in kwargs.items() if isinstance(a, Buffer)]
     if array is not None:  # the soft CCLO: in place
+        def view(buf: Buffer) -> np.ndarray:
+            return array(buf.device_address, buf.dtype, buf.size).reshape(buf.shape)
+
         def in_device_memory() -> None:
-            def view(buf: Buffer) -> np.ndarray:
-                return array(buf.device_address, buf.dtype, buf.size).reshape(buf.shape)
-            bound, named = list(args), dict(kwargs)
-            for i in places:
-                bound[i] = view(args[i])
-            for k in names:
-                named[k] = view(kwargs[k])
+            bound, named = _bind(args, kwargs, view)
             fn(*bound, **named)
         return in_device_memory
 
     def staged() -> None:  # a remote memory: read, run, write back
-        copies: dict[int, np.ndarray] = {}
+        copies: dict[int, tuple[Buffer, np.ndarray]] = {}
 
         def copy(buf: Buffer) -> np.ndarray:  # a buffer passed twice is one array
             if id(buf) not in copies:
-                copies[id(buf)] = np.empty(buf.shape, buf.dtype)
-                device.read(buf.device_address, copies[id(buf)])
-            return copies[id(buf)]
-        bound, named = list(args), dict(kwargs)
-        for i in places:
-            bound[i] = copy(args[i])
-        for k in names:
-            named[k] = copy(kwargs[k])
+                copies[id(buf)] = buf, np.empty(buf.shape, buf.dtype)
+                device.read(buf.device_address, copies[id(buf)][1])
+            return copies[id(buf)][1]
+        bound, named = _bind(args, kwargs, copy)
         fn(*bound, **named)
-        written = {id(b): b for b in [args[i] for i in places] + [kwargs[k] for k in names]}
-        for key, buf in written.items():
-            device.write(buf.device_address, copies[key])
+        for buf, data in copies.values():
+            device.write(buf.device_address, data)
     return staged
+
+
+def _bind(args: Sequence[Any], kwargs: dict[str, Any], as_array: Callable[[Buffer], np.ndarray],
+          ) -> tuple[list[Any], dict[str, Any]]:
+    def bind(value: Any) -> Any:
+        return as_array(value) if isinstance(value, Buffer) else value
+    return [bind(a) for a in args], {k: bind(a) for k, a in kwargs.items()}
