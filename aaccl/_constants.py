@@ -58,6 +58,12 @@ class CompressionFlags(enum.IntFlag):
     ETH_COMPRESSED = 8
 
 
+OPERAND_COMPRESSION = (CompressionFlags.OP0_COMPRESSED, CompressionFlags.OP1_COMPRESSED,
+                       CompressionFlags.RES_COMPRESSED)
+"""The flags that mark a call's buffers (op0, op1, result) as holding compressed
+elements, in the order of its three addresses."""
+
+
 class StreamFlags(enum.IntFlag):
     NO_STREAM = 0
     OP0_STREAM = 1

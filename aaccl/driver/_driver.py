@@ -13,15 +13,19 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import _exchmem as xm
-from .._constants import GLOBAL_COMM, TAG_ANY, CompressionFlags, ConfigFunction, Scenario
+from .._constants import (
+    GLOBAL_COMM,
+    OPERAND_COMPRESSION,
+    TAG_ANY,
+    CompressionFlags,
+    ConfigFunction,
+    Scenario,
+)
 from .._errors import ACCLError, CCLOError, DependencyError, KernelError
 from ..devices import CallArgs, Device, DeviceCall
 
 OperandDtypes = tuple[np.dtype | None, np.dtype | None, np.dtype | None]
 """Element types of a call's buffers (op0, op1, result); None for a buffer it lacks."""
-
-_OPERAND_FLAGS = (CompressionFlags.OP0_COMPRESSED, CompressionFlags.OP1_COMPRESSED,
-                  CompressionFlags.RES_COMPRESSED)
 
 CONFIG_TIMEOUT = 60.0
 """Seconds the driver waits for one configuration call before giving up on the device."""
@@ -152,17 +156,12 @@ class Driver:
         such buffer. Two types select the arithmetic config (wider, narrower) and mark
         the buffers of the narrower type OP0/OP1/RES_COMPRESSED, as pyaccl does.
         """
-        flags = CompressionFlags.NO_COMPRESSION
-        arithcfg = 0
-        if operand_dtypes is not None:
-            if dtype is not None:
+        if dtype is not None:
+            if operand_dtypes is not None:
                 raise TypeError("pass dtype or operand_dtypes, not both")
-            arithcfg, flags = self._operand_compression(operand_dtypes, compress_dtype)
-        elif dtype is not None:
-            wire = dtype
-            if compress_dtype is not None and compress_dtype != dtype:
-                wire, flags = compress_dtype, CompressionFlags.ETH_COMPRESSED
-            arithcfg = self._arith[(dtype, wire)]
+            operand_dtypes = (dtype, None, None)
+        arithcfg, flags = (0, CompressionFlags.NO_COMPRESSION) if operand_dtypes is None \
+            else self._operand_compression(operand_dtypes, compress_dtype)
         args = CallArgs(int(scenario), count, self.communicators[comm_id][0], root_src_dst,
                         function, tag, arithcfg, int(flags), stream_flags, *addrs)
         return self.device.start(args, waitfor)
@@ -188,7 +187,7 @@ class Driver:
             raise TypeError(f"operands of types ({names}) are no (uncompressed, compressed) "
                             "pair: mixed precision takes two types of different sizes")
         flags = CompressionFlags.NO_COMPRESSION
-        for flag, d in zip(_OPERAND_FLAGS, operand_dtypes):
+        for flag, d in zip(OPERAND_COMPRESSION, operand_dtypes):
             if d == narrow:
                 flags |= flag
         if compress_dtype is not None and compress_dtype != wide:

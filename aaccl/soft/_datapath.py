@@ -9,16 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _exchmem as xm
-from .._constants import CompressionFlags, ErrorCode
+from .._constants import OPERAND_COMPRESSION, CompressionFlags, ErrorCode
 
 _UFUNCS = {"sum": np.add, "max": np.maximum}
 
-OPERAND_FLAGS = int(CompressionFlags.OP0_COMPRESSED | CompressionFlags.OP1_COMPRESSED
-                    | CompressionFlags.RES_COMPRESSED)
-"""The flags that say a buffer (op0, op1, result) holds compressed elements."""
-
-_SLOT_FLAGS = (CompressionFlags.OP0_COMPRESSED, CompressionFlags.OP1_COMPRESSED,
-               CompressionFlags.RES_COMPRESSED)
+OPERAND_FLAGS = int(sum(OPERAND_COMPRESSION))
+"""OPERAND_COMPRESSION as one int: a plain int test costs the hot path least."""
 
 
 class UnsupportedConfig(Exception):
@@ -61,7 +57,7 @@ class Datapath:
         self.slots: tuple[np.dtype, np.dtype, np.dtype] = (self.dtype, self.dtype, self.dtype)
         if compression_flags & OPERAND_FLAGS:
             narrow = self._compressed_dtype(cfg)
-            a, b, c = (narrow if compression_flags & flag else self.dtype for flag in _SLOT_FLAGS)
+            a, b, c = (narrow if compression_flags & flag else self.dtype for flag in OPERAND_COMPRESSION)
             self.slots = (a, b, c)
         self.itemsizes = tuple(dtype.itemsize for dtype in self.slots)
 
