@@ -98,9 +98,7 @@ class ACCL:
         with self._lock:
             pending = list(self._outstanding)
         for call in pending:
-            done = threading.Event()
-            if call._register(done.set):
-                done.wait()
+            call._block()
         self._driver.close()
 
     # -- memory and communicators ---------------------------------------------------
@@ -162,9 +160,9 @@ class ACCL:
                buffers: tuple[object, ...] = ()) -> Call:
         """The Call of a submitted device call, kept until it completes."""
         self._ncalls += 1
-        trace = _trace.active()
+        trace = _trace.active() if submitted else None  # submitted is 0 unless tracing
         if trace is not None:
-            self._record(trace, op, engine, device_call, submitted or time.perf_counter_ns())
+            self._record(trace, op, engine, device_call, submitted)
         result = Call(f"{op} (rank {self._rank}, call {self._ncalls})", self, device_call, deps,
                       finish, self._forget, buffers)
         with self._lock:

@@ -85,13 +85,18 @@ class Call:
         would: for code without an event loop (threads, `aaccl.compat`). Never call it
         on an event loop's thread. TimeoutError if `timeout` seconds pass first (the
         call goes on)."""
-        if not self._finished:
-            finished = threading.Event()
-            if self._register(finished.set) and not finished.wait(timeout):
-                raise TimeoutError(f"{self.name} did not finish within {timeout} s")
+        if not self._block(timeout):
+            raise TimeoutError(f"{self.name} did not finish within {timeout} s")
         self._mark_retrieved()
         if self._error is not None:
             raise self._error
+
+    def _block(self, timeout: float | None = None) -> bool:
+        """Block this thread until the call finished; False if `timeout` passed first."""
+        if self._finished:
+            return True
+        finished = threading.Event()
+        return not self._register(finished.set) or finished.wait(timeout)
 
     def _register(self, wake: Callable[[], None]) -> bool:
         with self._lock:

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import numpy as np
 
@@ -158,7 +159,7 @@ class SoftDevice:
             return
         except Exception:  # a bug in the model must fail the call, never leave it hanging
             log.exception("soft CCLO %d: internal error in %s", self.session,
-                          _name(call))
+                          Scenario(cast(CallArgs, call.args).scenario).name.lower())
             self._fail(call, task, int(ErrorCode.DMA_INTERNAL_ERROR))
             return
         task.finish(False)
@@ -183,7 +184,3 @@ class SoftDevice:
         self._jobs.close()
         self._workers.shutdown(wait=False)
         self.port.close()
-
-
-def _name(call: DeviceCall) -> str:
-    return "host job" if call.args is None else Scenario(call.args.scenario).name.lower()
