@@ -17,6 +17,13 @@ from . import _bridge
 log = logging.getLogger("aaccl")
 
 
+def _root_cause(error: BaseException | None) -> BaseException | None:
+    """The failure a DependencyError comes from: the first call that really failed."""
+    while isinstance(error, DependencyError) and error.__cause__ is not None:
+        error = error.__cause__  # one step at most: every DependencyError points at its root
+    return error
+
+
 class Call:
     """An operation on the CCLO: submitted when created, awaitable, and usable in
     another call's `waitfor`.
@@ -54,8 +61,8 @@ class Call:
                 failed = [d for d in self._deps if d._error is not None]
                 error = DependencyError(f"{name} did not run: {', '.join(d.name for d in failed)} "
                                         "failed")
-                if failed:
-                    error.__cause__ = failed[0]._error
+                if failed:  # the root, not the chain: a cause per call would be 20,000 deep
+                    error.__cause__ = _root_cause(failed[0]._error)
             else:
                 self._deps = ()  # keep a chain's history only where it explains a failure
             self._buffers = ()
@@ -123,10 +130,15 @@ class Call:
             raise self._error
 
     def _mark_retrieved(self) -> None:
+        """Retrieving a call's error retrieves those of the calls its failure came from,
+        so none of them is logged as unawaited; a stack, not recursion, for long chains."""
         self._retrieved = True
-        for dep in self._deps:
+        pending = list(self._deps)
+        while pending:
+            dep = pending.pop()
             if not dep._retrieved:
-                dep._mark_retrieved()
+                dep._retrieved = True
+                pending.extend(dep._deps)
 
     def __repr__(self) -> str:
         state = "pending" if not self._finished else "failed" if self._error else "done"
