@@ -88,7 +88,8 @@ def _ranks(size: int, bufsize: int,
 @asynccontextmanager
 async def open_world(world_size: int | None = None, *, device: str = "soft",
                      fabric: str = "auto", nbufs: int = 16, bufsize: int = 1024,
-                     timeout: float = 10.0, emulator_port: int = DEFAULT_PORT,
+                     timeout: float = 10.0, in_order: bool = False,
+                     emulator_port: int = DEFAULT_PORT,
                      emulator_protocol: str = "tcp", xclbin: str | None = None,
                      board_idx: int | Sequence[int] = 0, cclo_idx: int = 0,
                      addresses: Sequence[tuple[str, int]] | None = None,
@@ -103,6 +104,11 @@ async def open_world(world_size: int | None = None, *, device: str = "soft",
     RECEIVE_TIMEOUT_ERROR. On exit, waits for every outstanding call and releases
     the devices.
 
+    `in_order=True` makes each soft CCLO run its calls strictly one at a time, in
+    submission order, as ACCL's firmware does: a program that needs two calls of
+    one rank to overlap (both ranks receive before they send, say) times out here
+    as it would hang on a card. Other devices are in order by nature.
+
     `device="emulator"` drives ACCL's emulator (`cclo_emu`, ACCL's firmware run on the
     host), started beforehand with as many ranks as the world has, its start port
     (`emulator_port`) and its network protocol (`emulator_protocol`, "tcp" or "udp").
@@ -113,6 +119,8 @@ async def open_world(world_size: int | None = None, *, device: str = "soft",
     CCLO `cclo_idx`; `addresses` gives each rank's (IP, port) on the FPGA network.
     """
     _check_options(world_size, device, fabric, nbufs, bufsize, timeout)
+    if not isinstance(in_order, bool):
+        raise ValueError(f"in_order must be True or False, got {in_order!r}")
     if device != "soft":
         make, eager = _device_maker(device, emulator_port, emulator_protocol, xclbin,
                                     board_idx, cclo_idx)
@@ -122,7 +130,7 @@ async def open_world(world_size: int | None = None, *, device: str = "soft",
         return
     if fabric == "mpi" or (fabric == "auto" and (
             mpi_launched() or (world_size is None and _started_by_mpiexec()))):
-        async with _mpi_world(world_size, nbufs, bufsize, timeout) as mine:
+        async with _mpi_world(world_size, nbufs, bufsize, timeout, in_order) as mine:
             yield mine
         return
     if world_size is None:
@@ -132,7 +140,7 @@ async def open_world(world_size: int | None = None, *, device: str = "soft",
     accls: list[ACCL] = []
     try:
         for rank in range(world_size):
-            dev = SoftDevice(rank, inprocess.port(rank), inprocess.inboxes[rank])
+            dev = SoftDevice(rank, inprocess.port(rank), in_order=in_order)
             accls.append(await _open(dev, rank, ranks, nbufs, bufsize, timeout))
         yield accls
     finally:
@@ -221,8 +229,8 @@ async def _open(dev: Device, rank: int, ranks: list[xm.RankRecord], nbufs: int,
 
 
 @asynccontextmanager
-async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int,
-                     timeout: float) -> AsyncIterator[list[ACCL]]:
+async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: float,
+                     in_order: bool) -> AsyncIterator[list[ACCL]]:
     if "mpi4py.MPI" not in sys.modules:
         # MPICH's MPI_Finalize (run by mpi4py at exit) waits for every process of the
         # job; after a peer died it never returns, so a rank that reported its
@@ -245,7 +253,7 @@ async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int,
         raise ValueError(f"world_size={world_size}, but this MPI job has {size} processes")
     fabric = MPIFabric(MPI.COMM_WORLD, nbufs, bufsize)
     try:
-        dev = SoftDevice(fabric.rank, fabric.port(fabric.rank), fabric.inbox)
+        dev = SoftDevice(fabric.rank, fabric.port(fabric.rank), in_order=in_order)
         accl = await _open(dev, fabric.rank, _ranks(size, bufsize), nbufs, bufsize, timeout)
         try:
             yield [accl]

@@ -39,7 +39,7 @@ def soft_device(size: int, rank: int) -> SoftDevice:
         world.taken[rank] = True
         if all(world.taken):
             worlds.remove(world)  # complete: later instances start the next world
-    return SoftDevice(rank, world.fabric.port(rank), world.fabric.inboxes[rank])
+    return SoftDevice(rank, world.fabric.port(rank))
 
 
 def emulator_device(sim_sock: str, rank: int, protocol: str) -> Device:

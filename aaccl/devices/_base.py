@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
@@ -34,7 +35,9 @@ class DeviceCall:
     run), which has no return code: it succeeds or ends with `error`.
 
     Devices complete it from their own threads; callbacks run on the completing
-    thread and must not block.
+    thread and must not block. A completion that happens inside another's callbacks
+    on the same thread (a chain failing call after call) queues its callbacks behind
+    the running ones instead of nesting, so no chain is too long for the stack.
     """
 
     __slots__ = ("args", "_lock", "_callbacks", "_event", "retcode", "aborted", "error",
@@ -89,8 +92,26 @@ class DeviceCall:
             event = self._event
         if event is not None:
             event.set()
-        for fn in callbacks:
-            fn(self)
+        _run_callbacks(self, callbacks)
+
+
+_local = threading.local()
+
+
+def _run_callbacks(call: DeviceCall, callbacks: list[Callable[[DeviceCall], None]]) -> None:
+    """Run completion callbacks iteratively: one thread, one loop at a time."""
+    pending: deque | None = getattr(_local, "pending", None)
+    if pending is not None:
+        pending.append((call, callbacks))
+        return
+    pending = _local.pending = deque([(call, callbacks)])
+    try:
+        while pending:
+            done, fns = pending.popleft()
+            for fn in fns:
+                fn(done)
+    finally:
+        _local.pending = None
 
 
 class Device(Protocol):

@@ -1,56 +1,58 @@
 """The soft CCLO: a software model of ACCL's CCLO that implements `Device`.
 
 It keeps its own exchange memory and device memory (so a missing host sync shows
-stale data, as on hardware) and honours `waitfor` in its own scheduler (a dependent
-call starts when its dependencies complete, with no host round trip). Large calls
-run on its worker threads; small ones run on the thread that dispatches them and
-park, holding no thread, while they wait for a message — the thread that delivers
-it resumes them. Nothing a caller's thread runs here ever blocks.
+stale data, as on hardware) and honours `waitfor` itself (a dependent call starts
+when its dependencies complete, with no host round trip). Its calls run on its
+fabric's progress engine (`_engine`); their life is in `_calls`.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import cast
+from collections import deque
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
 from .. import _exchmem as xm
-from .._constants import ErrorCode, Scenario
+from .._constants import ConfigFunction, ErrorCode, Scenario
+from .._errors import DeviceError
 from ..devices import CallArgs, DeviceCall
 from ..devices._jobs import HostJobs, Job
-from ._engine import CallFailed, Engine, Escalate, Park, Task
-from ._progress import WATCHDOG, trampoline
+from ._calls import CallFailed, Comm, SoftCall, State, make_call
+from ._datapath import Datapath, UnsupportedConfig
 from ._memory import DeviceMemory
-from .fabric import Inbox, Port
-
-log = logging.getLogger("aaccl")
-
-MAX_WORKERS = 64
-"""Calls one soft CCLO runs at once; a call waiting for a peer holds a worker."""
+from .fabric import Message, Port, RxPool
 
 HWID = 0x0000_00F8  # reduction, compression and stream bits as ACCL's driver reads them
 
 
 class SoftDevice:
+    """One rank's soft CCLO. `in_order=True` runs its calls strictly one at a time in
+    submission order, as ACCL's firmware does."""
+
     timer_hz = 1_000_000  # SET_TIMEOUT counts microseconds
 
-    def __init__(self, session: int, port: Port, inbox: Inbox) -> None:
-        self.session, self.port, self.inbox = session, port, inbox
+    def __init__(self, session: int, port: Port, *, in_order: bool = False) -> None:
+        self.session, self.port = session, port
+        self.inbox, self.engine = port.inbox, port.engine
+        self.in_order = in_order
         self.exchmem = np.zeros(xm.SIZE // 4, np.uint32)
         self.exchmem[xm.HWID // 4] = HWID
         self.memory = DeviceMemory()
         self.timeout = 1.0
         self.max_eager_size = 0
         self.max_rendezvous_size = 0
-        self._engine = Engine(self)
-        self._admit_lock = threading.Lock()
-        self._workers = ThreadPoolExecutor(MAX_WORKERS, thread_name_prefix=f"soft-cclo-{session}")
-        self._jobs = HostJobs(f"soft-cclo-{session}", self._workers)
+        self._comms: dict[int, Comm] = {}
+        self._configs: dict[int, xm.ArithConfig] = {}
+        self._paths: dict[tuple[int, int, int], Datapath] = {}
+        self._send_seq: dict[tuple[Hashable, int], int] = {}
+        self._coll_seq: dict[Hashable, int] = {}
+        self._queue: deque[SoftCall] = deque()  # in order: calls ready, waiting their turn
+        self._running = False
+        self._calls: set[SoftCall] = set()  # admitted and not finished, for close
+        self._jobs = HostJobs(f"soft-cclo-{session}")
+        self.closed = False
+        self.engine.attach()
 
     # -- exchange memory and device memory ----------------------------------------
 
@@ -59,7 +61,9 @@ class SoftDevice:
 
     def mmio_write(self, offset: int, value: int) -> None:
         self.exchmem[self._word(offset)] = value
-        self._engine.forget_exchmem()
+        self._comms.clear()  # parse exchange memory again when next needed
+        self._configs.clear()
+        self._paths.clear()
 
     @staticmethod
     def _word(offset: int) -> int:
@@ -80,7 +84,7 @@ class SoftDevice:
         out.reshape(-1).view(np.uint8)[:] = self.memory.view(address, out.nbytes)
 
     def array(self, address: int, dtype: np.dtype, count: int) -> np.ndarray:
-        """`count` elements of device memory at `address`, for the engine."""
+        """`count` elements of device memory at `address`, for a call."""
         if count == 0:
             return np.empty(0, dtype)
         try:
@@ -88,99 +92,157 @@ class SoftDevice:
         except KeyError:
             raise CallFailed(ErrorCode.DMA_DECODE_ERROR) from None
 
-    # -- calls ----------------------------------------------------------------------
+    # -- what calls read from exchange memory ----------------------------------------
+
+    def comm(self, address: int) -> Comm:
+        comm = self._comms.get(address)
+        if comm is None:
+            try:
+                record = xm.Communicator.read(self.mmio_read, address)
+            except (ValueError, IndexError):
+                raise CallFailed(ErrorCode.DMA_DECODE_ERROR) from None
+            if not record.ranks or record.local_rank >= len(record.ranks):
+                raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
+            comm = self._comms[address] = Comm(record)
+        return comm
+
+    def datapath(self, args: CallArgs) -> Datapath:
+        key = (args.arithcfg, args.compression_flags, args.function)
+        path = self._paths.get(key)
+        if path is None:
+            cfg = self._configs.get(args.arithcfg)
+            if cfg is None:
+                try:
+                    cfg = self._configs[args.arithcfg] = xm.ArithConfig.read(self.mmio_read,
+                                                                             args.arithcfg)
+                except (ValueError, IndexError):
+                    raise CallFailed(ErrorCode.ARITH_ERROR) from None
+            try:
+                path = self._paths[key] = Datapath(cfg, args.compression_flags, args.function)
+            except UnsupportedConfig as unsupported:
+                raise CallFailed(unsupported.code) from None
+        return path
+
+    def next_send_seq(self, comm_key: Hashable, dst: int) -> int:
+        seq = self._send_seq.get((comm_key, dst), 0)
+        self._send_seq[(comm_key, dst)] = seq + 1
+        return seq
+
+    def next_coll_seq(self, comm_key: Hashable) -> int:
+        seq = self._coll_seq.get(comm_key, 0)
+        self._coll_seq[comm_key] = seq + 1
+        return seq
+
+    def count_message(self, args: CallArgs, field: int) -> None:
+        """Count a send or receive in the peer's record of the communicator, as the
+        firmware does (the soft CCLO orders messages by its own counters; this is
+        for the host, which reads the record back)."""
+        word = (args.comm + 4 * (2 + xm.RankRecord.WORDS * args.root_src_dst + field)) // 4
+        self.exchmem[word] += 1
+
+    def configure(self, args: CallArgs) -> int:
+        """Run a config call; its return code."""
+        function = args.function
+        if function == ConfigFunction.RESET_PERIPH:
+            self.inbox.rx = None
+        elif function == ConfigFunction.ENABLE_PKT:
+            if self.mmio_read(xm.CFGRDY) != 1:
+                return int(ErrorCode.CONFIG_SWITCH_ERROR)
+            self.inbox.rx = self._rx_pool()
+        elif function == ConfigFunction.SET_TIMEOUT:
+            self.timeout = args.count / self.timer_hz
+        elif function == ConfigFunction.SET_MAX_EAGER_MSG_SIZE:
+            if args.count > self.mmio_read(xm.RX_BUF_SIZE) * self.mmio_read(xm.NUM_RX_BUFS):
+                return int(ErrorCode.EAGER_THRESHOLD_INVALID)
+            self.max_eager_size = args.count
+        elif function == ConfigFunction.SET_MAX_RENDEZVOUS_MSG_SIZE:
+            self.max_rendezvous_size = args.count
+        else:
+            return int(ErrorCode.CONFIG_SWITCH_ERROR)
+        return 0
+
+    def _rx_pool(self) -> RxPool:
+        n, bufsize = self.mmio_read(xm.NUM_RX_BUFS), self.mmio_read(xm.RX_BUF_SIZE)
+        records = [xm.RxBuffer.read(self.mmio_read, xm.RX_RECORDS + 4 * xm.RxBuffer.WORDS * i)
+                   for i in range(n)]
+        views = [self.memory.view(r.address, bufsize) for r in records]
+        exchmem = self.exchmem
+
+        def mark(slot: int, status: int, msg: Message | None) -> None:
+            base = (xm.RX_RECORDS + 4 * xm.RxBuffer.WORDS * slot) // 4
+            exchmem[base] = status
+            if msg is not None:
+                exchmem[base + 3:base + 6] = (msg.tag, msg.nbytes, msg.src)
+
+        return RxPool(views, bufsize, mark)
+
+    # -- calls ------------------------------------------------------------------------
 
     def start(self, args: CallArgs, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
-        call = DeviceCall(args)
-        with self._admit_lock:
-            ticket = self._engine.admit(args)
-        if not waitfor:
-            self._dispatch(call, ticket)
-            return call
-        lock = threading.Lock()
-        state = {"left": len(waitfor), "failed": False}
+        handle = DeviceCall(args)
+        if self.closed:
+            handle.complete(error=DeviceError("the soft CCLO is closed"))
+            return handle
+        if args.scenario == Scenario.NOP and not waitfor and not self.in_order:
+            handle.mark_started()  # nothing to wait for: complete on the spot
+            self.exchmem[xm.RETCODE // 4] = 0
+            handle.complete(0)
+            return handle
+        call = make_call(self, args, handle)
+        self.engine.post(self._admit, call, tuple(waitfor))
+        return handle
 
-        def on_dependency_done(dep: DeviceCall) -> None:
-            with lock:
-                state["left"] -= 1
-                state["failed"] |= dep.failed
-                if state["left"]:
-                    return
-            if state["failed"]:
-                self._engine.abandon(args, ticket)
-                call.complete(aborted=True)
-            else:
-                self._dispatch(call, ticket)
+    def _admit(self, call: SoftCall, waitfor: tuple[DeviceCall, ...]) -> None:
+        if self.closed:
+            call.abort()
+            return
+        self._calls.add(call)
+        call.admit(waitfor)
 
-        for dep in waitfor:
-            dep.add_done_callback(on_dependency_done)
-        return call
+    def ready(self, call: SoftCall) -> None:
+        """A call's dependencies are done: run it (in order: when its turn comes)."""
+        if not self.in_order:
+            call.start()
+        elif self._running:
+            self._queue.append(call)
+        else:
+            self._running = True
+            call.start()
+
+    def finished(self, call: SoftCall, retcode: int = 0, aborted: bool = False) -> None:
+        """A call ended (engine context): publish its return code, release the next."""
+        self._calls.discard(call)
+        if not aborted:
+            self.exchmem[xm.RETCODE // 4] = retcode
+            if self.in_order:
+                if self._queue:
+                    self.engine.soon(self._queue.popleft().start)
+                else:
+                    self._running = False
+        call.handle.complete(retcode, aborted=aborted)
 
     def run(self, job: Job, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
         """Host work (kernels modelled in Python, transfers) on the CCLO's own workers."""
         return self._jobs.run(job, waitfor)
 
-    def _dispatch(self, call: DeviceCall, ticket: object) -> None:
-        call.mark_started()
-        args = call.args
-        assert args is not None
-        if args.scenario == Scenario.NOP:
-            call.complete(0)  # nothing to wait for: complete on the spot
-            return
-        try:
-            task = self._engine.task(args, ticket)
-        except CallFailed as failed:
-            self._complete(call, int(failed.code))
-            return
-        if args.scenario != Scenario.CONFIG and args.count * 8 <= self.max_eager_size:
-            trampoline(self._advance, call, task, False)  # small: run here, park while waiting
-        else:
-            self._to_worker(call, task)
-
-    def _to_worker(self, call: DeviceCall, task: Task) -> None:
-        try:
-            self._workers.submit(self._advance, call, task, True)
-        except RuntimeError:  # the device was closed
-            task.finish(True)
-            call.complete(aborted=True)
-
-    def _advance(self, call: DeviceCall, task: Task, blocking: bool) -> None:
-        """Run `task` on this thread until it ends, parks, or must go to a worker."""
-        try:
-            task.advance(blocking, lambda: trampoline(self._advance, call, task, False))
-        except Park:
-            WATCHDOG.arm(time.monotonic() + self.timeout, lambda: self._expire(call, task))
-            return
-        except Escalate:
-            self._to_worker(call, task)
-            return
-        except CallFailed as failed:
-            self._fail(call, task, int(failed.code))
-            return
-        except Exception:  # a bug in the model must fail the call, never leave it hanging
-            log.exception("soft CCLO %d: internal error in %s", self.session,
-                          Scenario(cast(CallArgs, call.args).scenario).name.lower())
-            self._fail(call, task, int(ErrorCode.DMA_INTERNAL_ERROR))
-            return
-        task.finish(False)
-        self._complete(call, 0)
-
-    def _fail(self, call: DeviceCall, task: Task, retcode: int) -> None:
-        try:
-            task.finish(True)
-        finally:
-            self._complete(call, retcode)
-
-    def _expire(self, call: DeviceCall, task: Task) -> None:
-        """A parked task's peer did not come in time (on the watchdog's thread)."""
-        if task.timed_out():
-            self._fail(call, task, int(ErrorCode.RECEIVE_TIMEOUT_ERROR))
-
-    def _complete(self, call: DeviceCall, retcode: int) -> None:
-        self.exchmem[xm.RETCODE // 4] = retcode
-        call.complete(retcode)
-
     def close(self) -> None:
+        """Fail what is still outstanding (an aborted world), release the engine."""
+        if self.closed:
+            return
+        self.closed = True
+        self.engine.post(self._close)
+
+    def _close(self) -> None:
+        for call in list(self._calls):
+            if call.state is State.SUBMITTED:
+                call.abort()
+            elif call.waiting is not None:
+                wait, call.waiting = call.waiting, None
+                wait.waiter = None
+                if call.timer is not None:
+                    call.timer.cancel()
+                call.resume(None, CallFailed(ErrorCode.RECEIVE_TIMEOUT_ERROR))
+        self._queue.clear()
         self._jobs.close()
-        self._workers.shutdown(wait=False)
         self.port.close()
+        self.engine.detach()

@@ -1,9 +1,10 @@
 """Fabrics carry messages between soft CCLOs; the inbox matches them on arrival."""
 
-from ._inbox import Inbox, PostedRecv, RxPool
+from ._inbox import Inbox, RxPool
 from ._inprocess import InProcessFabric, InProcessPort
+from ._matching import PostedRecv
+from ._message import Key, Message, MessageState, Port
 from ._mpi import MPIFabric
-from ._message import COMPLETED, Key, Message, PeerTimeout, Port, SendRequest
 
-__all__ = ["COMPLETED", "InProcessFabric", "InProcessPort", "Inbox", "Key", "MPIFabric", "Message",
-           "PeerTimeout", "Port", "PostedRecv", "RxPool", "SendRequest"]
+__all__ = ["InProcessFabric", "InProcessPort", "Inbox", "Key", "MPIFabric", "Message",
+           "MessageState", "Port", "PostedRecv", "RxPool"]

@@ -1,33 +1,39 @@
-"""Messages between soft CCLOs, and the sender's view of one in flight."""
+"""Messages between soft CCLOs, and what a fabric offers a sender."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-PENDING, TAKEN, DONE, WITHDRAWN = range(4)
+from .._engine import Engine, Wait
+
+if TYPE_CHECKING:
+    from ._inbox import Inbox
 
 Key = tuple[Any, ...]
 """A message's matching key: ("p2p", comm) or ("coll", comm, seq, scenario, tag)."""
 
 
-class PeerTimeout(Exception):
-    """A peer did not show up before the deadline."""
+class MessageState(enum.Enum):
+    PENDING = "pending"  # delivered, no receive has it yet
+    TAKEN = "taken"  # a receive is reading it
+    DONE = "done"  # the receiver is done with it (or it was dropped)
+    WITHDRAWN = "withdrawn"  # the sender gave up before a receive took it
 
 
 class Message:
     """One message: a header and its payload, wherever the payload now lives.
 
-    `key` is the matching key: (comm, seq, scenario, tag) for a collective step, or
-    (comm,) for point-to-point, where `seq` orders messages and `tag` is the user's.
-    Eager payloads are copied into the receiver's rx buffers (`slots`); others stay in
-    the sender's memory (`payload`) until the receiver consumes them (rendezvous).
+    Eager payloads are copied into the receiver's rx buffers (`slots`); others stay
+    where the sender put them (`payload`: its device memory in process, our own copy
+    over MPI) until the receiver is done, which sets `consumed`.
     """
 
-    __slots__ = ("src", "key", "seq", "tag", "nbytes", "payload", "slots", "state",
-                 "eager", "tombstone", "on_taken", "on_done")
+    __slots__ = ("src", "key", "seq", "tag", "nbytes", "payload", "slots", "state", "eager",
+                 "tombstone", "consumed", "matched", "on_taken", "on_done")
 
     def __init__(self, src: int, key: Key, seq: int, tag: int, payload: np.ndarray | None,
                  eager: bool, tombstone: bool = False) -> None:
@@ -35,33 +41,27 @@ class Message:
         self.payload = payload
         self.nbytes = 0 if payload is None else payload.nbytes
         self.slots: list[int] = []
-        self.state = PENDING
+        self.state = MessageState.PENDING
         self.eager = eager
         self.tombstone = tombstone
-        self.on_taken: Callable[[], None] | None = None  # a receive has claimed it
-        self.on_done: Callable[[], None] | None = None  # the receiver is done with it
-
-
-class SendRequest(Protocol):
-    def wait(self, deadline: float) -> bool:
-        """True once the receiver has the data; False if the deadline passed first (the
-        message is then withdrawn and never delivered)."""
+        self.consumed: Wait | None = None  # in process: the sender's wait for a handover
+        self.matched: Any = None  # the PostedRecv it went to, until that receive runs
+        self.on_taken: Callable[[], None] | None = None  # MPI: acknowledge a receive
+        self.on_done: Callable[[], None] | None = None  # MPI: acknowledge freed rx buffers
 
 
 class Port(Protocol):
-    """A rank's connection to the fabric: posts messages to peers by session."""
+    """A rank's connection to its fabric (called in engine context): where its
+    messages arrive and the engine that runs its calls."""
 
-    def post(self, dst: int, msg: Message) -> SendRequest: ...
+    inbox: Inbox
+    engine: Engine
+
+    def post(self, dst: int, msg: Message, timeout_code: int) -> Wait | None:
+        """Deliver `msg` to session `dst`. None: the send is done (the data was
+        copied); otherwise a Wait that is set once the receiver has the data. Its
+        `expire` withdraws the message if no receive has taken it yet, and the
+        sender then fails with `timeout_code`."""
+        ...
 
     def close(self) -> None: ...
-
-
-class Completed:
-    """A send the fabric finished on posting (the data was copied)."""
-
-    @staticmethod
-    def wait(deadline: float) -> bool:
-        return True
-
-
-COMPLETED = Completed()

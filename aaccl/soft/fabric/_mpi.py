@@ -2,8 +2,9 @@
 
 Every message travels as a small header (pickled) and, unless empty, its payload
 (raw bytes, under a tag of its own). A progress thread in each process receives
-them and delivers them to the local inbox, so neither the event loop nor MPI ever
-waits on the other. The receiver acknowledges a message once it is done with it.
+them and posts them to the process's progress engine as events, so neither the
+event loop nor MPI ever waits on the other. The receiver acknowledges a message
+once it is done with it.
 
 Flow control keeps the eager semantics of the CCLO: a sender may have at most its
 share of the receiver's rx buffers (`nbufs / (size - 1)` segments) in eager
@@ -24,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from .._engine import Engine, Wait
 from ._inbox import Inbox
-from ._message import COMPLETED, Message, SendRequest
+from ._message import Message
 
 HEADER, ACK, WITHDRAW = 1, 2, 3
 PAYLOAD_TAGS = 1 << 20
@@ -49,10 +51,14 @@ class MPIFabric:
     def __init__(self, comm: Any, nbufs: int, bufsize: int) -> None:
         self.comm = comm.Dup()  # a communicator of our own: no clash with the user's MPI
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.engine = Engine(f"mpi-{self.rank}")
         self.inbox = Inbox()
         self.bufsize = bufsize
         self.window = max(1, nbufs // max(1, self.size - 1))
         self._lock = threading.Lock()
+        # one MPI call at a time: MPICH/UCX crash when a peer's failure is handled on
+        # one thread while another sends to it
+        self._mpi = threading.Lock()
         self._ids = itertools.count()
         self._in_flight: list[tuple[Any, object]] = []  # MPI requests and what they send
         self._eager: dict[int, tuple[int, int]] = {}  # id -> (dst, segments) awaiting ack
@@ -70,7 +76,7 @@ class MPIFabric:
 
     # -- sending ------------------------------------------------------------------
 
-    def post(self, dst: int, msg: Message) -> SendRequest:
+    def post(self, dst: int, msg: Message, timeout_code: int) -> Wait | None:
         payload = msg.payload
         nbytes = 0 if payload is None else payload.nbytes
         segments = -(-nbytes // self.bufsize)
@@ -80,21 +86,24 @@ class MPIFabric:
             if eager and segments:
                 self._used[dst] += segments
                 self._eager[msg_id] = (dst, segments)
-            request: SendRequest = COMPLETED
+            request: _Awaited | None = None
             if not eager and not msg.tombstone:
-                request = self._waiting[msg_id] = _Awaited(self, dst, msg_id)
+                request = self._waiting[msg_id] = _Awaited(self, dst, msg_id, timeout_code)
         if eager and payload is not None:
             payload = payload.copy()  # the send completes now: MPI must not read our memory
         header = (msg_id, msg.key, msg.seq, msg.tag, eager, msg.tombstone, nbytes)
         self._send_obj(header, dst, HEADER)
         if nbytes:
-            self._track(self.comm.Isend([payload, nbytes, _BYTE()], dst, _payload_tag(msg_id)),
-                        payload)
+            with self._mpi:
+                sent = self.comm.Isend([payload, nbytes, _BYTE()], dst, _payload_tag(msg_id))
+            self._track(sent, payload)
         return request
 
     def _send_obj(self, obj: object, dst: int, tag: int) -> None:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        self._track(self.comm.Isend([data, len(data), _BYTE()], dst, tag), data)
+        with self._mpi:
+            request = self.comm.Isend([data, len(data), _BYTE()], dst, tag)
+        self._track(request, data)
 
     def _track(self, request: Any, keepalive: object) -> None:
         with self._lock:
@@ -110,8 +119,9 @@ class MPIFabric:
         while not self._closed:
             # MPICH's Improbe matches what it has already taken in, then makes
             # progress: a message that came during a nap is found by a second probe
-            message = (self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-                       or self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status))
+            with self._mpi:
+                message = (self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+                           or self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status))
             if message is None:
                 self._reap()
                 time.sleep(IDLE_SLEEP if time.monotonic() - last > SPIN else 0)
@@ -121,7 +131,8 @@ class MPIFabric:
                 self._reap()
             src, tag = status.Get_source(), status.Get_tag()
             data = bytearray(status.Get_count(MPI.BYTE))
-            message.Recv([data, MPI.BYTE])
+            with self._mpi:
+                message.Recv([data, MPI.BYTE])
             obj = pickle.loads(data)
             if tag == HEADER:
                 self._receive(src, *obj)
@@ -130,7 +141,7 @@ class MPIFabric:
             elif tag == WITHDRAW:
                 msg = self._incoming.pop((src, obj), None)
                 if msg is not None:
-                    self.inbox.withdraw(msg)
+                    self.engine.post(self.inbox.withdraw, msg)
 
     def _receive(self, src: int, msg_id: int, key: Any, seq: int, tag: int, eager: bool,
                  tombstone: bool, nbytes: int) -> None:
@@ -151,7 +162,7 @@ class MPIFabric:
             else:  # the payload is our own copy: the send is done once a receive has it
                 msg.on_taken = acknowledge
                 self._incoming[(src, msg_id)] = msg  # until then, the sender may withdraw it
-        self.inbox.deliver(msg)
+        self.engine.post(self.inbox.deliver, msg)
 
     def _acked(self, msg_id: int) -> None:
         with self._lock:
@@ -160,13 +171,14 @@ class MPIFabric:
                 self._used[eager[0]] -= eager[1]
             awaited = self._waiting.pop(msg_id, None)
         if awaited is not None:
-            awaited.event.set()
+            self.engine.post(awaited.set)
 
     def _reap(self) -> None:
         """Forget MPI sends that have completed (and the buffers they kept alive)."""
         with self._lock:
             if self._in_flight:
-                self._in_flight = [item for item in self._in_flight if not item[0].Test()]
+                with self._mpi:
+                    self._in_flight = [item for item in self._in_flight if not item[0].Test()]
 
     def _withdraw(self, dst: int, msg_id: int) -> bool:
         """Give up on a non-eager send; False if it was acknowledged meanwhile."""
@@ -192,27 +204,27 @@ class MPIFabric:
             self.comm.Free()
 
 
-class _Awaited:
+class _Awaited(Wait):
     """A non-eager send: done when the receiver acknowledges it."""
 
-    __slots__ = ("fabric", "dst", "msg_id", "event")
+    __slots__ = ("fabric", "dst", "msg_id")
 
-    def __init__(self, fabric: MPIFabric, dst: int, msg_id: int) -> None:
+    def __init__(self, fabric: MPIFabric, dst: int, msg_id: int, timeout_code: int) -> None:
+        super().__init__(timeout_code)
         self.fabric, self.dst, self.msg_id = fabric, dst, msg_id
-        self.event = threading.Event()
 
-    def wait(self, deadline: float) -> bool:
-        if self.event.wait(max(0.0, deadline - time.monotonic())):
-            return True
-        return not self.fabric._withdraw(self.dst, self.msg_id)
+    def expire(self) -> bool:
+        """Withdraw the message unless its acknowledgement is on its way here."""
+        return self.fabric._withdraw(self.dst, self.msg_id)
 
 
 class MPIPort:
     def __init__(self, fabric: MPIFabric) -> None:
         self.fabric = fabric
+        self.inbox, self.engine = fabric.inbox, fabric.engine
 
-    def post(self, dst: int, msg: Message) -> SendRequest:
-        return self.fabric.post(dst, msg)
+    def post(self, dst: int, msg: Message, timeout_code: int) -> Wait | None:
+        return self.fabric.post(dst, msg, timeout_code)
 
     def close(self) -> None:
         pass

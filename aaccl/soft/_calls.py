@@ -1,0 +1,522 @@
+"""A call's life on the soft CCLO, in one place.
+
+    submitted --(dependencies done; in_order: its turn)--> running --> done
+                                                            |   ^
+                                              yields a Wait |   | the Wait is set
+                                                            v   |  (or its deadline
+                                                           waiting  passes: failed)
+
+`admit` runs when the call is submitted, in submission order, and fixes its place
+in the message order (a send's sequence number, a receive's place among posted
+receives, a collective's sequence number). Once the call may run, its body — a
+generator — runs until it must wait for a message, for a peer to finish reading
+our data, or for a data job, and yields that `Wait`; the engine resumes it when
+the Wait is set. Every step happens in engine context, never by recursion. Any
+exception fails this call alone.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import time
+from collections.abc import Callable, Generator, Hashable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import _exchmem as xm
+from .._constants import ErrorCode, Scenario
+from ..devices import CallArgs, DeviceCall
+from ._datapath import OPERAND_FLAGS, Datapath
+from ._engine import Timer, Wait
+from .algorithms import Copy, Incoming, Local, Send, Step, schedule
+from .fabric import Key, Message, PostedRecv
+
+if TYPE_CHECKING:
+    from ._device import SoftDevice
+
+log = logging.getLogger("aaccl")
+
+Body = Generator[Wait, Any, None]
+
+COLLECTIVES = frozenset({Scenario.BCAST, Scenario.SCATTER, Scenario.GATHER, Scenario.REDUCE,
+                         Scenario.ALLGATHER, Scenario.ALLREDUCE, Scenario.REDUCE_SCATTER,
+                         Scenario.BARRIER, Scenario.ALLTOALL})
+ROOTED = frozenset({Scenario.BCAST, Scenario.SCATTER, Scenario.GATHER, Scenario.REDUCE})
+
+OFFLOAD_BYTES = 1 << 20
+"""Copies and reductions of at least this many bytes run on the engine's data
+workers (in parallel, without the GIL); smaller ones run in line."""
+
+RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
+DEQUEUE_TIMEOUT = int(ErrorCode.DEQUEUE_BUFFER_TIMEOUT_ERROR)
+INBOUND_SEQ, OUTBOUND_SEQ = 2, 3
+"""Words of a rank's communicator record that count messages from and to it."""
+
+
+class CallFailed(Exception):
+    def __init__(self, code: ErrorCode | int) -> None:
+        super().__init__(code)
+        self.code = int(code)
+
+
+class State(enum.Enum):
+    SUBMITTED = "submitted"  # waiting for its dependencies (and, in order, its turn)
+    RUNNING = "running"  # its body runs, or waits for `SoftCall.waiting`
+    DONE = "done"
+
+
+class Comm:
+    """A communicator as read from exchange memory, with its matching key."""
+
+    __slots__ = ("rank", "size", "sessions", "key")
+
+    def __init__(self, record: xm.Communicator) -> None:
+        self.rank, self.size = record.local_rank, len(record.ranks)
+        self.sessions = tuple(r.session for r in record.ranks)
+        self.key: Hashable = self.sessions  # the same group matches on every rank
+
+    def peer(self, index: int) -> int:
+        if index >= self.size:
+            raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
+        return self.sessions[index]
+
+
+class SoftCall:
+    """One call on one soft CCLO. Subclasses say how it is admitted and what it runs."""
+
+    __slots__ = ("dev", "args", "handle", "state", "failure", "deps_left", "body", "waiting",
+                 "timer")
+
+    def __init__(self, dev: SoftDevice, args: CallArgs, handle: DeviceCall) -> None:
+        self.dev, self.args, self.handle = dev, args, handle
+        self.state = State.SUBMITTED
+        self.failure = 0  # a retcode known at admission: the call fails when it would run
+        self.deps_left = 0
+        self.body: Body | None = None
+        self.waiting: Wait | None = None
+        self.timer: Timer | None = None
+
+    # -- submitted ------------------------------------------------------------------
+
+    def admit(self, waitfor: tuple[DeviceCall, ...]) -> None:
+        """Fix the call's place in the message order, then wait for `waitfor`."""
+        try:
+            self.prepare()
+        except CallFailed as failed:
+            self.failure = failed.code
+        pending = [dep for dep in waitfor if not dep.done()]
+        if any(dep.failed for dep in waitfor if dep.done()):
+            self.abort()
+            return
+        self.deps_left = len(pending)
+        if not pending:
+            self.dev.ready(self)
+            return
+        post = self.dev.engine.post
+        for dep in pending:
+            dep.add_done_callback(lambda dep: post(self.dependency_done, dep))
+
+    def prepare(self) -> None:
+        """Take the call's place in the message order (at submission)."""
+
+    def dependency_done(self, dep: DeviceCall) -> None:
+        if self.state is not State.SUBMITTED or self.deps_left <= 0:
+            return  # aborted already
+        if dep.failed:
+            self.deps_left = 0
+            self.abort()
+            return
+        self.deps_left -= 1
+        if self.deps_left == 0:
+            self.dev.ready(self)
+
+    def abort(self) -> None:
+        """A dependency failed (or the device closed): the call never runs."""
+        self.abandon()
+        self.state = State.DONE
+        self.dev.finished(self, aborted=True)
+
+    def abandon(self) -> None:
+        """Give back the call's place in the message order (it will never run)."""
+
+    # -- running --------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.state is not State.SUBMITTED:
+            return  # aborted while it waited for its turn
+        self.state = State.RUNNING
+        self.handle.mark_started()
+        if self.failure:
+            self.abandon()
+            self.finish(self.failure)
+            return
+        self.body = self.run()
+        self.resume(None)
+
+    def run(self) -> Body:
+        return
+        yield  # every body is a generator
+
+    def resume(self, value: Any, error: CallFailed | None = None) -> None:
+        """Run the body until it waits for something not there yet, or ends."""
+        body = self.body
+        assert body is not None
+        while True:
+            try:
+                wait = body.send(value) if error is None else body.throw(error)
+            except StopIteration:
+                self.finish(0)
+                return
+            except CallFailed as failed:
+                self.finish(failed.code)
+                return
+            except Exception:  # a bug in the model fails this call, and nothing else
+                log.exception("soft CCLO %d: internal error in %s", self.dev.session,
+                              Scenario(self.args.scenario).name.lower())
+                self.finish(int(ErrorCode.DMA_INTERNAL_ERROR))
+                return
+            if not wait.done:
+                break
+            value, error = wait.value, None
+        self.waiting = wait
+        wait.waiter = self._wake
+        if wait.timeout_code:
+            self.timer = self.dev.engine.call_at(time.monotonic() + self.dev.timeout,
+                                                 self._expire)
+
+    def _wake(self, wait: Wait) -> None:
+        self.waiting = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.dev.engine.soon(self.resume, wait.value)
+
+    def _expire(self) -> None:
+        """The deadline of the current wait passed."""
+        wait, self.timer = self.waiting, None
+        if wait is None:
+            return
+        if wait.expire():
+            wait.waiter, self.waiting = None, None
+            self.resume(None, CallFailed(wait.timeout_code))
+        # else: a peer is reading our data right now; it finishes without a deadline
+
+    def finish(self, retcode: int) -> None:
+        self.state = State.DONE
+        self.body = None
+        self.dev.finished(self, retcode=retcode)
+
+
+class ConfigCall(SoftCall):
+    __slots__ = ()
+
+    def run(self) -> Body:
+        code = self.dev.configure(self.args)
+        if code:
+            raise CallFailed(code)
+        return
+        yield
+
+
+class SendCall(SoftCall):
+    __slots__ = ("comm", "seq", "sent")
+
+    def prepare(self) -> None:
+        args, dev = self.args, self.dev
+        self.sent = False
+        self.comm = comm = dev.comm(args.comm)
+        self.seq = dev.next_send_seq(comm.key, comm.peer(args.root_src_dst))
+        dev.count_message(args, OUTBOUND_SEQ)
+        _check_streams_and_compression(args)
+
+    def run(self) -> Body:
+        args, dev = self.args, self.dev
+        path = dev.datapath(args)
+        payload = path.to_wire(dev.array(args.addr_0, path.dtype, args.count))
+        msg = Message(dev.session, ("p2p", self.comm.key), self.seq, args.tag,
+                      payload.view(np.uint8), eager=payload.nbytes <= dev.max_eager_size)
+        self.sent = True
+        handover = dev.port.post(self.comm.sessions[args.root_src_dst], msg, DEQUEUE_TIMEOUT)
+        if handover is not None:
+            yield handover
+
+    def abandon(self) -> None:
+        if not self.sent and hasattr(self, "seq"):  # fill our gap in the peer's sequence
+            self.sent = True
+            self.dev.port.post(self.comm.sessions[self.args.root_src_dst],
+                               Message(self.dev.session, ("p2p", self.comm.key), self.seq,
+                                       self.args.tag, None, eager=True, tombstone=True), 0)
+
+
+class RecvCall(SoftCall):
+    __slots__ = ("key", "src", "posted")
+
+    def prepare(self) -> None:
+        args, dev = self.args, self.dev
+        comm = dev.comm(args.comm)
+        self.src, self.key = comm.peer(args.root_src_dst), ("p2p", comm.key)
+        _check_streams_and_compression(args)
+        self.posted: PostedRecv | None = dev.inbox.post(self.key, self.src, args.tag)
+
+    def run(self) -> Body:
+        dev, args, posted = self.dev, self.args, self.posted
+        assert posted is not None
+        path = dev.datapath(args)
+        dst = dev.array(args.addr_2, path.dtype, args.count)
+        try:
+            if not posted.done:
+                yield posted
+        except CallFailed:
+            self.abandon()
+            raise
+        msg = dev.inbox.take(posted)
+        self.posted = None
+        dev.count_message(args, INBOUND_SEQ)
+        try:
+            data = dev.inbox.data(msg)
+            if data.nbytes != args.count * path.wire.itemsize:
+                raise CallFailed(ErrorCode.DMA_SIZE_ERROR)
+            np.copyto(dst, data.view(path.wire), casting="unsafe")
+        finally:
+            dev.inbox.release(msg)
+
+    def abandon(self) -> None:
+        if getattr(self, "posted", None) is not None:
+            self.dev.inbox.cancel(self.key, self.src, self.posted)
+            self.posted = None
+
+
+def _check_streams_and_compression(args: CallArgs) -> None:
+    if args.stream_flags:
+        raise CallFailed(ErrorCode.COLLECTIVE_NOT_IMPLEMENTED)  # no kernel streams here
+    if args.compression_flags & OPERAND_FLAGS:
+        # compressed buffers (mixed precision) are modelled for copy and combine only
+        raise CallFailed(ErrorCode.COMPRESSION_ERROR)
+
+
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+def _reads(step: Step) -> tuple[Local | Incoming, ...]:
+    return (step.src,) if isinstance(step, (Send, Copy)) else (step.a, step.b)
+
+
+class Plan:
+    """A schedule and how far into each buffer slot it reaches (in elements)."""
+
+    __slots__ = ("steps", "reach")
+
+    def __init__(self, steps: list[Step]) -> None:
+        self.steps = steps
+        self.reach = [0, 0, 0]
+        for step in steps:
+            for loc in _reads(step) + (() if isinstance(step, Send) else (step.dst,)):
+                if isinstance(loc, Local) and step.count:
+                    self.reach[loc.slot] = max(self.reach[loc.slot], loc.offset + step.count)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(scenario: int, rank: int, size: int, root: int, count: int) -> Plan:
+    """Plans are pure and immutable: compute each one once."""
+    return Plan(schedule(Scenario(scenario), rank, size, root, count))
+
+
+class _Sending:
+    """A payload of ours a peer reads in place: [start, end) of device memory."""
+
+    __slots__ = ("start", "end", "handover")
+
+    def __init__(self, start: int, end: int, handover: Wait) -> None:
+        self.start, self.end, self.handover = start, end, handover
+
+
+class ScheduleCall(SoftCall):
+    """copy, combine and the collectives: a schedule of sends, copies and reductions."""
+
+    __slots__ = ("comm", "seq", "path", "addrs", "itemsizes", "views", "sending", "taken",
+                 "saved", "prefix")
+
+    def prepare(self) -> None:
+        args, dev = self.args, self.dev
+        self.comm: Comm | None = None
+        self.prefix: Key | None = None
+        self.seq = 0
+        if args.scenario in COLLECTIVES:
+            self.comm = comm = dev.comm(args.comm)
+            self.seq = dev.next_coll_seq(comm.key)
+            self.prefix = ("coll", comm.key, self.seq)
+            if args.scenario in ROOTED and args.root_src_dst >= comm.size:
+                raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
+        if args.stream_flags:
+            raise CallFailed(ErrorCode.COLLECTIVE_NOT_IMPLEMENTED)
+        if args.compression_flags & OPERAND_FLAGS \
+                and args.scenario not in (Scenario.COPY, Scenario.COMBINE):
+            raise CallFailed(ErrorCode.COMPRESSION_ERROR)
+
+    def abandon(self) -> None:
+        if getattr(self, "prefix", None) is not None:  # peers' messages would fill rx buffers
+            self.dev.inbox.abandon_steps(self.prefix)
+
+    def run(self) -> Body:
+        args, dev, comm = self.args, self.dev, self.comm
+        plan = _plan(args.scenario, 0 if comm is None else comm.rank,
+                     1 if comm is None else comm.size, args.root_src_dst, args.count)
+        self.path = path = dev.datapath(args)
+        self.addrs = (args.addr_0, args.addr_1, args.addr_2)
+        self.itemsizes = path.itemsizes
+        self.sending: list[_Sending] = []
+        self.taken: dict[Incoming, Message] = {}
+        self.saved: dict[tuple[Local, int], np.ndarray] = {}
+        self.views = [dev.array(address, dtype, n) if n else None
+                      for address, dtype, n in zip(self.addrs, path.slots, plan.reach)]
+        self._save_overwritten_inputs(plan.steps, plan.reach)
+        try:
+            for step in plan.steps:
+                if isinstance(step, Send):
+                    self._send(step)
+                elif isinstance(step, Copy):
+                    yield from self._apply((step.src,), step.dst, step.count, self._copy)
+                else:
+                    yield from self._apply((step.a, step.b), step.dst, step.count,
+                                           self._combine)
+            for sending in self.sending:
+                if not sending.handover.done:
+                    yield sending.handover
+        except BaseException:
+            self._release()
+            for sending in self.sending:  # withdraw what no peer has started on
+                if not sending.handover.done:
+                    sending.handover.expire()
+            self.abandon()
+            raise
+        self.sending.clear()
+
+    def _span(self, loc: Local, count: int) -> tuple[int, int]:
+        itemsize = self.itemsizes[loc.slot]
+        start = self.addrs[loc.slot] + loc.offset * itemsize
+        return start, start + count * itemsize
+
+    def _save_overwritten_inputs(self, steps: list[Step], reach: list[int]) -> None:
+        """In place (buffers of two slots overlap), a step may read an input that an
+        earlier step overwrote through the other slot, e.g. a rank's own contribution
+        to a reduction folded in rank order: keep a copy of such inputs for it."""
+        spans = [(a, a + n * size) for a, n, size in zip(self.addrs, reach, self.itemsizes) if n]
+        if not any(a0 < b1 and b0 < a1 for i, (a0, a1) in enumerate(spans)
+                   for b0, b1 in spans[i + 1:]):
+            return  # not in place: the buffers the plan uses are apart
+        written: list[tuple[Local, int, int]] = []
+        for step in steps:
+            if not step.count:
+                continue
+            for loc in _reads(step):
+                if isinstance(loc, Local):
+                    start, end = self._span(loc, step.count)
+                    if any(w != loc and ws < end and start < we for w, ws, we in written):
+                        self.saved[(loc, step.count)] = self._local(loc, step.count).copy()
+            if not isinstance(step, Send):
+                written.append((step.dst, *self._span(step.dst, step.count)))
+
+    def _read(self, loc: Local, count: int) -> np.ndarray:
+        saved = self.saved.get((loc, count))
+        return self._local(loc, count) if saved is None else saved
+
+    def _local(self, loc: Local, count: int) -> np.ndarray:
+        view = self.views[loc.slot]
+        if view is None:
+            return np.empty(0, self.path.slots[loc.slot])
+        return view[loc.offset:loc.offset + count]
+
+    @staticmethod
+    def _copy(src: list[np.ndarray], dst: np.ndarray) -> None:
+        data = src[0]
+        if np.shares_memory(data, dst):
+            if data.dtype == dst.dtype and _address(data) == _address(dst):
+                return  # in place: the elements are where they belong
+            # overlapping, shifted or converted (a compressed slot): numpy does not
+            # convert overlapping arrays in a safe order, so read everything first
+            data = data.copy()
+        np.copyto(dst, data, casting="unsafe")
+
+    def _combine(self, ab: list[np.ndarray], dst: np.ndarray) -> None:
+        self.path.combine(ab[0], ab[1], dst)
+
+    def _apply(self, operands: tuple[Local | Incoming, ...], loc: Local, count: int,
+               fn: Callable[[list[np.ndarray], np.ndarray], None]) -> Body:
+        arrays = []
+        for op in operands:
+            arrays.append((yield from self._operand(op, count)))
+        start, end = self._span(loc, count)
+        busy = [s for s in self.sending if s.start < end and start < s.end]
+        if busy:
+            # A peer still reads what we would overwrite. Let go of what we took from
+            # peers first (they may be waiting for that before reading ours).
+            arrays = [a.copy() if isinstance(op, Incoming) else a
+                      for a, op in zip(arrays, operands)]
+            self._release()
+            for sending in busy:
+                if not sending.handover.done:
+                    yield sending.handover
+                self.sending.remove(sending)
+        out = self._local(loc, count)
+        if out.nbytes >= OFFLOAD_BYTES:
+            error = yield self.dev.engine.offload(lambda: fn(arrays, out))
+            if error is not None:
+                raise error
+        else:
+            fn(arrays, out)
+        self._release()
+
+    def _key(self, tag: int) -> Key:
+        assert self.prefix is not None
+        return self.prefix + (self.args.scenario, tag)
+
+    def _operand(self, op: Local | Incoming, count: int) -> Generator[Wait, Any, np.ndarray]:
+        if isinstance(op, Local):
+            return self._read(op, count)
+        assert self.comm is not None
+        msg = self.taken.get(op)
+        if msg is None:
+            wait = self.dev.inbox.expect_step(self.comm.sessions[op.peer], self._key(op.tag))
+            msg = wait.value if wait.done else (yield wait)
+            self.taken[op] = msg
+        data = self.dev.inbox.data(msg)
+        if data.nbytes != count * self.path.wire.itemsize:
+            raise CallFailed(ErrorCode.DMA_SIZE_ERROR)
+        return data.view(self.path.wire)
+
+    def _release(self) -> None:
+        while self.taken:
+            self.dev.inbox.release(self.taken.popitem()[1])
+
+    def _send(self, step: Send) -> None:
+        assert self.comm is not None
+        dev = self.dev
+        data = self._read(step.src, step.count)
+        payload = self.path.to_wire(data)
+        msg = Message(dev.session, self._key(step.tag), self.seq, step.tag,
+                      payload.view(np.uint8), eager=payload.nbytes <= dev.max_eager_size)
+        handover = dev.port.post(self.comm.sessions[step.peer], msg, RECEIVE_TIMEOUT)
+        if handover is not None:
+            start, end = self._span(step.src, step.count)
+            if payload is not data or (step.src, step.count) in self.saved:
+                end = start  # a copy is ours alone: no peer reads our memory
+            self.sending.append(_Sending(start, end, handover))
+
+
+def make_call(dev: SoftDevice, args: CallArgs, handle: DeviceCall) -> SoftCall:
+    scenario = args.scenario
+    if scenario == Scenario.SEND:
+        return SendCall(dev, args, handle)
+    if scenario == Scenario.RECV:
+        return RecvCall(dev, args, handle)
+    if scenario in COLLECTIVES or scenario in (Scenario.COPY, Scenario.COMBINE):
+        return ScheduleCall(dev, args, handle)
+    call: SoftCall = ConfigCall(dev, args, handle) if scenario == Scenario.CONFIG \
+        else SoftCall(dev, args, handle)
+    if scenario not in (Scenario.CONFIG, Scenario.NOP):
+        call.failure = int(ErrorCode.COLLECTIVE_NOT_IMPLEMENTED)
+    return call
