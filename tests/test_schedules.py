@@ -13,7 +13,7 @@ import pytest
 from aaccl._constants import Scenario
 from aaccl.soft.algorithms import Copy, Incoming, Local, Reduce, Send, chunks, schedule
 
-SIZES = [1, 2, 3, 4, 5, 7]
+SIZES = [1, 2, 3, 4, 5, 7, 8, 12]
 COUNTS = [0, 1, 5, 13, 1500]
 
 
@@ -107,17 +107,79 @@ def test_rooted(size: int, root_is_last: bool) -> None:
     np.testing.assert_array_equal(reduced[2][:count], sum(xi[:count] for xi in x))
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_barrier_exchanges_with_everyone(size: int) -> None:
+def heard_from(size: int) -> list[set[int]]:
+    """Whose entry into the barrier each rank's exit depends on (transitively)."""
+    knows = [{r} for r in range(size)]
+    rounds = [[s for s in schedule(Scenario.BARRIER, r, size, 0, 0)] for r in range(size)]
+    for k in range(max(map(len, rounds), default=0) // 2):
+        before = [set(k_) for k_ in knows]
+        for r in range(size):
+            waits = rounds[r][2 * k + 1]
+            assert isinstance(waits, Copy) and isinstance(waits.src, Incoming)
+            knows[r] |= before[waits.src.peer]
+    return knows
+
+
+@pytest.mark.parametrize("size", SIZES + [16, 33])
+def test_barrier_waits_for_everyone_in_log_rounds(size: int) -> None:
     simulate(Scenario.BARRIER, size, 0)
-    for rank in range(size):
-        peers = {s.peer for s in schedule(Scenario.BARRIER, rank, size, 0, 0) if isinstance(s, Send)}
-        assert peers == set(range(size)) - {rank}
+    assert heard_from(size) == [set(range(size))] * size
+    rounds = len(schedule(Scenario.BARRIER, 0, size, 0, 0)) // 2
+    assert rounds == (size - 1).bit_length()
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 5, 8, 12, 64])
+def test_small_allreduce_gives_every_rank_the_same_bits(size: int) -> None:
+    """Recursive doubling combines the lower half with the upper half on every rank:
+    floating-point results agree exactly, and each rank sends log2 messages."""
+    rng = np.random.default_rng(size)
+    x = [rng.standard_normal(7).astype(np.float32) for _ in range(size)]
+    bufs = simulate_values(Scenario.ALLREDUCE, x)
+    results = [b[2][:7] for b in bufs]
+    for r in results[1:]:
+        assert r.tobytes() == results[0].tobytes()
+    np.testing.assert_allclose(results[0], np.sum(x, axis=0), rtol=1e-5)
+    p = 1 << (size.bit_length() - 1)
+    sends = [sum(isinstance(s, Send) for s in schedule(Scenario.ALLREDUCE, r, size, 0, 7))
+             for r in range(size)]
+    assert sum(sends) == p * (p.bit_length() - 1) + 2 * (size - p)
+
+
+def simulate_values(scenario: Scenario, x: list[np.ndarray]) -> list[list[np.ndarray]]:
+    """simulate() on given float inputs (one vector per rank)."""
+    size, count = len(x), len(x[0])
+    bufs = [[xi.copy(), np.zeros_like(xi), np.zeros_like(xi)] for xi in x]
+    programs = [list(schedule(scenario, r, size, 0, count)) for r in range(size)]
+    mailbox: dict[tuple[int, int, int], np.ndarray] = {}
+    while any(programs):
+        progressed = False
+        for rank, program in enumerate(programs):
+            while program:
+                step = program[0]
+                if isinstance(step, Send):
+                    loc = step.src
+                    mailbox[(rank, step.peer, step.tag)] = \
+                        bufs[rank][loc.slot][loc.offset:loc.offset + step.count].copy()
+                else:
+                    ops = [step.src] if isinstance(step, Copy) else [step.a, step.b]
+                    keys = [(o.peer, rank, o.tag) for o in ops if isinstance(o, Incoming)]
+                    if any(k not in mailbox for k in keys):
+                        break
+                    vals = [mailbox.pop((o.peer, rank, o.tag)) if isinstance(o, Incoming)
+                            else bufs[rank][o.slot][o.offset:o.offset + step.count].copy()
+                            for o in ops]
+                    out = bufs[rank][step.dst.slot][step.dst.offset:step.dst.offset + step.count]
+                    out[...] = vals[0] if isinstance(step, Copy) else vals[0] + vals[1]
+                program.pop(0)
+                progressed = True
+        assert progressed, "deadlock"
+    return bufs
 
 
 def test_reductions_fold_in_rank_order() -> None:
-    """Every rank reduces its chunk as ((x0 + x1) + x2) + x3, so float results agree."""
-    steps = schedule(Scenario.ALLREDUCE, 2, 4, 0, 8)
+    """Past the small-message threshold every rank reduces its chunk as
+    ((x0 + x1) + x2) + x3, so float results agree."""
+    steps = schedule(Scenario.ALLREDUCE, 2, 4, 0, 8000)
     folds = [s for s in steps if isinstance(s, Reduce)]
     order = []
     for s in folds:

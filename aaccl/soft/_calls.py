@@ -31,7 +31,7 @@ from .._constants import ErrorCode, Scenario
 from ..devices import CallArgs, DeviceCall
 from ._datapath import OPERAND_FLAGS, Datapath
 from ._engine import Timer, Wait
-from .algorithms import Copy, Incoming, Local, Send, Step, schedule
+from .algorithms import SMALL_ALLREDUCE_COUNT, Copy, Incoming, Local, Send, Step, schedule
 from .fabric import Key, Message, PostedRecv
 
 if TYPE_CHECKING:
@@ -338,13 +338,14 @@ class ScheduleCall(SoftCall):
     """copy, combine and the collectives: a schedule of sends, copies and reductions."""
 
     __slots__ = ("comm", "seq", "path", "addrs", "itemsizes", "views", "sending", "taken",
-                 "saved", "prefix")
+                 "saved", "prefix", "met")
 
     def prepare(self) -> None:
         args, dev = self.args, self.dev
         self.comm: Comm | None = None
         self.prefix: Key | None = None
         self.seq = 0
+        self.met = False
         if args.scenario in COLLECTIVES:
             self.comm = comm = dev.comm(args.comm)
             self.seq = dev.next_coll_seq(comm.key)
@@ -358,11 +359,52 @@ class ScheduleCall(SoftCall):
             raise CallFailed(ErrorCode.COMPRESSION_ERROR)
 
     def abandon(self) -> None:
-        if getattr(self, "prefix", None) is not None:  # peers' messages would fill rx buffers
+        if getattr(self, "prefix", None) is None:
+            return
+        assert self.comm is not None
+        if self._meets():
+            if not self.met:  # the others must not wait for us
+                self.met = True
+                self.dev.port.meeting(self.prefix, self.comm.size).leave(self.comm.rank, False)
+        else:  # peers' messages would fill rx buffers
             self.dev.inbox.abandon_steps(self.prefix)
+
+    def _meets(self) -> bool:
+        """In process, a small allreduce meets its peers in shared memory."""
+        args, comm = self.args, self.comm
+        return (args.scenario == Scenario.ALLREDUCE and comm is not None and comm.size > 1
+                and args.count <= SMALL_ALLREDUCE_COUNT and not args.compression_flags
+                and hasattr(self.dev.port, "meeting"))
+
+    def _meet(self) -> Body:
+        args, dev, comm, prefix = self.args, self.dev, self.comm, self.prefix
+        assert comm is not None and prefix is not None
+        path = dev.datapath(args)
+        src = dev.array(args.addr_0, path.dtype, args.count)
+        dst = dev.array(args.addr_2, path.dtype, args.count)
+
+        def compute(contributions: list[tuple[np.ndarray, np.ndarray, Datapath]]) -> int:
+            first = contributions[0][0]
+            if any(s.shape != first.shape or s.dtype != first.dtype for s, _, _ in contributions):
+                return int(ErrorCode.DMA_SIZE_ERROR)
+            total = first.copy()
+            for s, _, _ in contributions[1:]:  # folded in rank order, as the schedules do
+                path.combine(total, s, total)
+            for _, d, _ in contributions:
+                d[...] = total
+            return 0
+
+        self.met = True
+        seat = dev.port.meeting(prefix, comm.size).arrive(comm.rank, (src, dst, path), compute)
+        retcode = seat.value if seat.done else (yield seat)
+        if retcode:
+            raise CallFailed(retcode)
 
     def run(self) -> Body:
         args, dev, comm = self.args, self.dev, self.comm
+        if self._meets():
+            yield from self._meet()
+            return
         plan = _plan(args.scenario, 0 if comm is None else comm.rank,
                      1 if comm is None else comm.size, args.root_src_dst, args.count)
         self.path = path = dev.datapath(args)

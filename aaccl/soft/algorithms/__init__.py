@@ -1,6 +1,7 @@
 """Collective algorithms as pure, I/O-free schedules."""
 
 from ._schedules import (
+    SMALL_ALLREDUCE_COUNT,
     Copy,
     Incoming,
     Local,
@@ -12,4 +13,4 @@ from ._schedules import (
     schedule,
 )
 
-__all__ = ["Copy", "Incoming", "Local", "Operand", "Reduce", "Send", "Step", "chunks", "schedule"]
+__all__ = ["SMALL_ALLREDUCE_COUNT", "Copy", "Incoming", "Local", "Operand", "Reduce", "Send", "Step", "chunks", "schedule"]

@@ -5,8 +5,14 @@ call's buffers by slot (0 = addr_0, 1 = addr_1, 2 = addr_2) and offsets in eleme
 messages are named by peer and a small tag that both ends of a transfer compute
 alike. No I/O happens here, so every algorithm is tested by simulating it.
 
-Reductions fold contributions in rank order, so every rank of an allreduce computes
-bit-identical results and floating-point sums do not depend on arrival order.
+Reductions combine contributions in an order fixed by ranks alone (in rank order,
+or pairwise lower half first), so every rank of an allreduce computes bit-identical
+results and floating-point sums do not depend on arrival order.
+
+Small messages pay per message, large ones per byte: small allreduces use
+recursive doubling (log2 N rounds, N log N messages in all), large ones a
+reduce-scatter then an allgather (each rank reduces 1/N of the data); the barrier
+is a dissemination barrier (log2 N rounds).
 """
 
 from __future__ import annotations
@@ -65,8 +71,11 @@ Step = Union[Send, Copy, Reduce]
 
 OP0, OP1, RES = 0, 1, 2
 SMALL_ALLREDUCE_COUNT = 1024
-"""Allreduce of at most this many elements sends whole vectors in one phase (lower
-latency); larger ones reduce-scatter then allgather (each rank reduces 1/size)."""
+"""Allreduce of at most this many elements sends whole vectors (recursive doubling:
+fewest rounds); larger ones reduce-scatter then allgather (each rank reduces 1/size)."""
+FOLD_IN, FOLD_OUT = 1 << 20, (1 << 20) + 1
+"""Tags of recursive doubling's messages to and from the ranks past a power of two
+(its rounds use tags 0, 1, ...)."""
 
 
 def chunks(count: int, size: int) -> list[tuple[int, int]]:
@@ -134,11 +143,36 @@ def allgather(rank: int, size: int, count: int) -> list[Step]:
     return steps
 
 
+def recursive_doubling(rank: int, size: int, count: int) -> list[Step]:
+    """Allreduce in log2(p) rounds of pairwise exchange among the first p ranks (p the
+    largest power of two <= size); each rank past p first folds its vector into rank
+    - p and gets the result back at the end. Each pair combines the lower half's
+    value with the upper half's, so every rank computes the same bits."""
+    p = 1 << (size.bit_length() - 1)
+    mine, acc = Local(OP0, 0), Local(RES, 0)
+    if rank >= p:
+        return [Send(rank - p, FOLD_IN, mine, count), Copy(Incoming(rank - p, FOLD_OUT), acc, count)]
+    steps: list[Step] = [Reduce(mine, Incoming(rank + p, FOLD_IN), acc, count)
+                         if rank + p < size else Copy(mine, acc, count)]
+    distance, tag = 1, 0
+    while distance < p:
+        partner = rank ^ distance
+        theirs = Incoming(partner, tag)
+        steps.append(Send(partner, tag, acc, count))
+        steps.append(Reduce(acc, theirs, acc, count) if rank < partner
+                     else Reduce(theirs, acc, acc, count))
+        distance, tag = distance * 2, tag + 1
+    if rank + p < size:
+        steps.append(Send(rank + p, FOLD_OUT, acc, count))
+    return steps
+
+
 def allreduce(rank: int, size: int, count: int,
               small_count: int = SMALL_ALLREDUCE_COUNT) -> list[Step]:
-    if count <= small_count or size == 1:
-        steps: list[Step] = [Send(p, 0, Local(OP0, 0), count) for p in _others(rank, size)]
-        return steps + _fold(_contributions(rank, size, Local(OP0, 0), 0), Local(RES, 0), count)
+    if size == 1:
+        return _fold([Local(OP0, 0)], Local(RES, 0), count)
+    if count <= small_count:
+        return recursive_doubling(rank, size, count)
     parts = chunks(count, size)
     mine, mylen = parts[rank]
     steps = [Send(c, 0, Local(OP0, parts[c][0]), parts[c][1])
@@ -165,8 +199,15 @@ def alltoall(rank: int, size: int, count: int) -> list[Step]:
 
 
 def barrier(rank: int, size: int) -> list[Step]:
-    steps: list[Step] = [Send(p, 0, Local(OP0, 0), 0) for p in _others(rank, size)]
-    return steps + [Copy(Incoming(p, 0), Local(OP0, 0), 0) for p in _others(rank, size)]
+    """Dissemination: in round k each rank signals rank + 2^k and waits for rank - 2^k,
+    so after ceil(log2 size) rounds every rank has heard, indirectly, from all."""
+    steps: list[Step] = []
+    distance, tag = 1, 0
+    while distance < size:
+        steps.append(Send((rank + distance) % size, tag, Local(OP0, 0), 0))
+        steps.append(Copy(Incoming((rank - distance) % size, tag), Local(OP0, 0), 0))
+        distance, tag = distance * 2, tag + 1
+    return steps
 
 
 def schedule(scenario: Scenario, rank: int, size: int, root: int, count: int) -> list[Step]:
