@@ -1,0 +1,194 @@
+"""The soft CCLO's progress engine: its queue, its timers, its shared-memory meetings."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import numpy as np
+import pytest
+
+import aaccl
+from aaccl import CCLOError, DependencyError, ErrorCode, ReduceFunction
+from aaccl.soft import Engine
+from aaccl.soft._engine import Wait
+
+TIMEOUT = 0.3
+
+
+# -- the engine alone -------------------------------------------------------------------
+
+def test_events_posted_while_draining_run_after_in_order_without_nesting() -> None:
+    engine = Engine("test")
+    seen: list[int] = []
+    depth = 0
+
+    def event(n: int) -> None:
+        nonlocal depth
+        depth += 1
+        assert depth == 1, "an event ran inside another"
+        seen.append(n)
+        if n < 50_000:
+            engine.post(event, n + 1)  # a chain as long as you like: no recursion
+        depth -= 1
+
+    engine.post(event, 0)
+    assert seen == list(range(50_001))
+    engine.close()
+
+
+def test_an_event_that_raises_is_logged_and_the_rest_run(caplog: pytest.LogCaptureFixture) -> None:
+    engine = Engine("test")
+    seen = []
+
+    def broken() -> None:
+        engine.soon(seen.append, "after")
+        raise ZeroDivisionError("bug")
+
+    engine.post(broken)
+    engine.post(seen.append, "next")
+    assert seen == ["after", "next"]
+    assert "internal error" in caplog.text
+    engine.close()
+
+
+def test_timers_fire_once_cancelled_ones_never_and_the_clock_survives_a_raising_timer(
+        caplog: pytest.LogCaptureFixture) -> None:
+    engine = Engine("test")
+    fired: list[str] = []
+    done = threading.Event()
+    now = time.monotonic()
+
+    def boom() -> None:
+        raise RuntimeError("timer bug")
+
+    engine.post(lambda: engine.call_at(now + 0.01, boom))
+    cancelled = []
+    engine.post(lambda: cancelled.append(engine.call_at(now + 0.02, lambda: fired.append("no"))))
+    engine.post(lambda: cancelled[0].cancel())
+    engine.post(lambda: engine.call_at(now + 0.05, lambda: (fired.append("yes"), done.set())))
+    assert done.wait(5)
+    assert fired == ["yes"]
+    assert "timer bug" in caplog.text
+    engine.close()
+
+
+def test_cancelled_timers_do_not_pile_up() -> None:
+    engine = Engine("test")
+    far = time.monotonic() + 3600
+
+    def churn() -> None:
+        for _ in range(50_000):
+            engine.call_at(far, lambda: None).cancel()
+
+    engine.post(churn)
+    assert len(engine._timers.heap) < 5_000
+    engine.close()
+    assert not engine._timers.heap
+
+
+def test_a_wait_set_before_anyone_waits_keeps_its_value() -> None:
+    wait = Wait()
+    wait.set(42)
+    wait.set(43)
+    assert wait.done and wait.value == 42
+
+
+# -- worlds -----------------------------------------------------------------------------
+
+@pytest.mark.anyio
+async def test_a_late_wait_is_not_failed_by_an_earlier_deadline() -> None:
+    """A receive waits, is answered, and a later receive of the same rank starts; the
+    first wait's deadline must not fail the second."""
+    async with aaccl.open_world(2, timeout=TIMEOUT) as (a, b):
+        src, dst = a.allocate(4, np.int32), b.allocate(4, np.int32)
+        for i in range(3):
+            recv = b.recv(dst, 4, 0, tag=i)
+            with anyio.fail_after(5):
+                await anyio.sleep(TIMEOUT * 0.6)  # half a deadline passes while it waits
+                src[:] = i
+                await a.send(src, 4, 1, tag=i)
+                await recv
+            assert list(dst) == [i] * 4
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("count", [1, 4000])  # shared-memory meeting and schedule
+async def test_allreduce_with_a_rank_missing_times_out_and_the_world_stays_usable(count: int) -> None:
+    async with aaccl.open_world(3, timeout=TIMEOUT) as accls:
+        bufs = [(a.allocate(count), a.allocate(count)) for a in accls]
+        began = time.monotonic()
+        calls = [a.allreduce(s, d, count, ReduceFunction.SUM) for a, (s, d) in
+                 zip(accls[:2], bufs)]
+        with anyio.fail_after(5):
+            for call in calls:
+                with pytest.raises(CCLOError) as info:
+                    await call
+                assert info.value.code & ErrorCode.RECEIVE_TIMEOUT_ERROR
+        assert time.monotonic() - began < TIMEOUT * 3
+        late = accls[2].allreduce(*bufs[2], count, ReduceFunction.SUM)  # the straggler
+        with anyio.fail_after(5), pytest.raises(CCLOError):
+            await late
+        for a, (s, _) in zip(accls, bufs):
+            s[:] = a.rank + 1
+        with anyio.fail_after(5):
+            for call in [a.allreduce(s, d, count, ReduceFunction.SUM)
+                         for a, (s, d) in zip(accls, bufs)]:
+                await call
+        for _, d in bufs:
+            assert (d == 6).all()
+
+
+@pytest.mark.anyio
+async def test_a_small_allreduce_whose_peer_never_runs_fails_at_the_deadline() -> None:
+    """Rank 1's allreduce waits for a call that fails, so it never runs: rank 0's
+    allreduce (in a shared-memory meeting) fails at its deadline, not later."""
+    async with aaccl.open_world(2, timeout=TIMEOUT) as (a, b):
+        sa, da = a.allocate(4), a.allocate(4)
+        sb, db = b.allocate(4), b.allocate(4)
+        doomed = b.recv(db, 4, 0, tag=9)  # nobody sends: times out
+        skipped = b.allreduce(sb, db, 4, ReduceFunction.SUM, waitfor=[doomed])
+        mine = a.allreduce(sa, da, 4, ReduceFunction.SUM)
+        with anyio.fail_after(5):
+            with pytest.raises(CCLOError):
+                await mine
+            with pytest.raises(CCLOError):
+                await doomed
+            with pytest.raises(DependencyError):
+                await skipped
+
+
+@pytest.mark.anyio
+async def test_small_allreduce_with_counts_that_differ_fails_on_every_rank() -> None:
+    async with aaccl.open_world(2, timeout=TIMEOUT) as (a, b):
+        calls = [a.allreduce(a.allocate(8), a.allocate(8), 4, ReduceFunction.SUM),
+                 b.allreduce(b.allocate(8), b.allocate(8), 8, ReduceFunction.SUM)]
+        with anyio.fail_after(5):
+            for call in calls:
+                with pytest.raises(CCLOError) as info:
+                    await call
+                assert info.value.code & ErrorCode.DMA_SIZE_ERROR
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32, np.int64])
+async def test_small_allreduce_gives_every_rank_the_rank_order_fold(size: int, dtype: type) -> None:
+    rng = np.random.default_rng(size)
+    data = [rng.integers(-9, 9, 7).astype(dtype) for _ in range(size)]
+    async with aaccl.open_world(size) as accls:
+        out = [a.allocate(7, dtype) for a in accls]
+        srcs = []
+        for a, x in zip(accls, data):
+            s = a.allocate(7, dtype)
+            s[:] = x
+            srcs.append(s)
+        with anyio.fail_after(10):
+            for call in [a.allreduce(s, d, 7, ReduceFunction.MAX if dtype == np.int64
+                                     else ReduceFunction.SUM)
+                         for a, s, d in zip(accls, srcs, out)]:
+                await call
+    fold = np.maximum.reduce(data) if dtype == np.int64 else sum(data[1:], data[0].copy())
+    for d in out:
+        np.testing.assert_array_equal(d, fold)
