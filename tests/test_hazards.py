@@ -10,13 +10,22 @@ un-awaited calls give what running them one at a time gives.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 
+import anyio
+import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import aaccl
+from aaccl import DependencyError, KernelError, ReduceFunction
 from aaccl.api._hazards import Hazards, Span
+from conftest import on_device, run_ranks
+
+SUM = ReduceFunction.SUM
 
 A, B = 0x1000, 0x9000  # two allocations' base addresses
 
@@ -196,3 +205,209 @@ def test_the_cost_is_linear_in_the_number_of_calls() -> None:
         h.discard(k + i)
     assert not h
     assert time.perf_counter() - began < 10  # about 1 s; quadratic would take hours
+
+
+# -- through the API, on the soft CCLO ----------------------------------------------------------
+
+def filled(accl: aaccl.ACCL, values: np.ndarray, *, on_device: bool = True) -> aaccl.Buffer:
+    buf = accl.allocate(values.shape, values.dtype)
+    buf[:] = values
+    if on_device:
+        buf.sync_to_device()
+    return buf
+
+
+def gate(accl: aaccl.ACCL) -> tuple[threading.Event, aaccl.Call]:
+    """A call (a kernel touching no buffer) that holds until the event is set: calls
+    waiting for it stay queued meanwhile."""
+    opened = threading.Event()
+    return opened, accl.kernel(lambda: opened.wait(10), name="gate")()
+
+
+async def settle() -> None:
+    """Time for anything that does not wait to finish."""
+    await anyio.sleep(0.05)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("size", [2, 3])
+async def test_two_outstanding_allreduces_into_one_buffer_give_the_in_order_result(
+        size: int) -> None:
+    n = 300
+
+    async def rank(accl: aaccl.ACCL) -> tuple[np.ndarray, np.ndarray]:
+        s = filled(accl, np.full(n, accl.rank + 1, np.float64))
+        r, out = accl.allocate(n, np.float64), accl.allocate(n, np.float64)
+        first = accl.allreduce(s, r, n, SUM, to_fpga=True)
+        second = accl.allreduce(r, r, n, SUM, from_fpga=True)  # folds what the first wrote
+        third = accl.allreduce(s, out, n, SUM)  # two writers of one buffer: the last wins
+        fourth = accl.allreduce(r, out, n, SUM, from_fpga=True)
+        for call in (fourth, third, second, first):
+            await call
+        return np.array(r), np.array(out)
+
+    async with aaccl.open_world(size, timeout=5) as accls:
+        results = await run_ranks(accls, rank)
+    once = sum(range(1, size + 1))
+    for r, out in results:
+        np.testing.assert_array_equal(r, np.full(n, once * size))  # not 0, not a double fold
+        np.testing.assert_array_equal(out, np.full(n, once * size * size))
+
+
+@pytest.mark.anyio
+async def test_a_send_delivers_its_data_though_a_later_call_overwrites_the_buffer() -> None:
+    """A rendezvous send reads its buffer only once the receiver is there: the copy
+    into that buffer, submitted after it, waits for it."""
+    n = 8192  # 32 KiB: beyond the eager limit
+
+    async def rank(accl: aaccl.ACCL) -> np.ndarray:
+        if accl.rank == 0:
+            buf = filled(accl, np.ones(n, np.float32))
+            sent = accl.send(buf, n, 1, from_fpga=True)
+            overwrite = accl.copy(filled(accl, np.full(n, 2, np.float32)), buf, n)
+            await overwrite
+            await sent
+            return on_device(buf)
+        dst = accl.allocate(n, np.float32)
+        await settle()  # the overwrite had all the time it needed to overtake the send
+        await accl.recv(dst, n, 0)
+        return np.array(dst)
+
+    async with aaccl.open_world(2, timeout=5) as accls:
+        sender, receiver = await run_ranks(accls, rank)
+    np.testing.assert_array_equal(receiver, 1)
+    np.testing.assert_array_equal(sender, 2)
+
+
+@pytest.mark.anyio
+async def test_overlapping_slices_of_one_allocation_are_ordered() -> None:
+    async with aaccl.open_world(1) as (accl,):
+        buf = filled(accl, np.arange(100, dtype=np.float32))
+        src = filled(accl, np.full(50, -1, np.float32))
+        dst = accl.allocate(50, np.float32)
+        opened, held = gate(accl)
+        write = accl.copy(src, buf[10:60], 50, from_fpga=True, to_fpga=True, waitfor=[held])
+        read = accl.copy(buf[40:90], dst, 50, from_fpga=True)  # reads bytes the write writes
+        await settle()
+        assert not read.done()
+        opened.set()
+        await read
+        await write
+        expected = np.arange(100, dtype=np.float32)
+        expected[10:60] = -1
+        np.testing.assert_array_equal(dst, expected[40:90])
+
+
+@pytest.mark.anyio
+async def test_calls_on_disjoint_memory_still_overlap() -> None:
+    """Slices of one allocation side by side (in the buffer's own itemsize: float16
+    here), and readers of the same bytes, do not wait for each other."""
+    async with aaccl.open_world(1) as (accl,):
+        wide = filled(accl, np.arange(100, dtype=np.float32))
+        narrow = accl.allocate(100, np.float16)
+        copies = accl.allocate(100, np.float32)
+        opened, held = gate(accl)
+        first = accl.copy(wide, narrow[:50], 50, from_fpga=True, to_fpga=True, waitfor=[held])
+        beside = accl.copy(wide[50:], narrow[50:], 50, from_fpga=True, to_fpga=True)
+        reader = accl.copy(wide, copies, 100, from_fpga=True)  # reads what `first` reads
+        after = accl.copy(narrow[49:51], copies[:2], 2, from_fpga=True)  # reads both halves
+        with anyio.fail_after(5):
+            await beside
+            await reader
+        await settle()
+        assert not first.done() and not after.done()
+        opened.set()
+        await after
+        await first
+        np.testing.assert_array_equal(on_device(narrow), np.arange(100, dtype=np.float16))
+        np.testing.assert_array_equal(copies, np.r_[49, 50, 2:100].astype(np.float32))
+
+
+@pytest.mark.anyio
+async def test_host_data_is_taken_at_submission_and_written_after_earlier_users() -> None:
+    """Syncing host data in would overwrite device memory an earlier call still
+    writes (or reads): the snapshot is written once that call is done."""
+    n = 64
+    async with aaccl.open_world(1) as (accl,):
+        src = filled(accl, np.ones(n, np.float32))
+        mid, dst = accl.allocate(n, np.float32), accl.allocate(n, np.float32)
+        opened, held = gate(accl)
+        produce = accl.copy(src, mid, n, from_fpga=True, to_fpga=True, waitfor=[held])
+        mid[:] = 7  # host only, after submitting `produce`
+        consume = accl.copy(mid, dst, n)  # syncs host mid in: 7, after `produce` wrote 1
+        mid[:] = 8  # too late for `consume`: it took its snapshot
+        await settle()
+        assert not consume.done()
+        np.testing.assert_array_equal(on_device(mid), 0)  # nothing written yet
+        opened.set()
+        await consume
+        await produce
+        np.testing.assert_array_equal(dst, 7)
+        np.testing.assert_array_equal(on_device(mid), 7)  # as in order: produce, then the sync
+
+
+@pytest.mark.anyio
+async def test_host_data_sent_twice_while_the_first_send_waits() -> None:
+    """One host buffer sent again while the first send waits: unchanged, the second
+    send overlaps the first; changed on the host in between, each send delivers what
+    it was given."""
+    n = 64
+
+    async def rank(accl: aaccl.ACCL) -> list[np.ndarray]:
+        if accl.rank == 0:
+            buf = filled(accl, np.ones(n, np.float32), on_device=False)
+            opened, held = gate(accl)
+            first = accl.send(buf, n, 1, waitfor=[held])
+            again = accl.send(buf, n, 2)  # the same bytes: it need not wait
+            with anyio.fail_after(5):
+                await again
+            buf[:] = 3
+            changed = accl.send(buf, n, 2)  # must not change what `first` sends
+            await settle()
+            assert not first.done() and not changed.done()
+            opened.set()
+            for call in (first, changed):
+                await call
+            return []
+        dsts = [accl.allocate(n, np.float32) for _ in range(accl.rank)]
+        for dst in dsts:
+            await accl.recv(dst, n, 0)
+        return [np.array(d) for d in dsts]
+
+    async with aaccl.open_world(3, timeout=5) as accls:
+        _, (to_1,), (to_2, to_2_changed) = await run_ranks(accls, rank)
+    np.testing.assert_array_equal(to_1, 1)
+    np.testing.assert_array_equal(to_2, 1)
+    np.testing.assert_array_equal(to_2_changed, 3)
+
+
+@pytest.mark.anyio
+async def test_a_failed_earlier_call_on_the_same_buffer_fails_the_later_one() -> None:
+    opened = threading.Event()
+
+    def broken(x: np.ndarray) -> None:
+        opened.wait(10)
+        raise ValueError("no good")
+
+    async with aaccl.open_world(1) as (accl,):
+        buf = filled(accl, np.ones(16, np.float32))
+        dst, other = accl.allocate(16, np.float32), accl.allocate(16, np.float32)
+        bad = accl.kernel(broken)(buf)
+        later = accl.copy(buf, dst, 16, from_fpga=True)
+        elsewhere = accl.copy(dst, other, 16, from_fpga=True, waitfor=[later])
+        apart = accl.copy(other, other[8:], 8, from_fpga=True)  # waits for `elsewhere`
+        unrelated = accl.copy(accl.allocate(16, np.float32), dst[:0], 0)
+        opened.set()
+        with pytest.raises(KernelError):
+            await bad
+        with pytest.raises(DependencyError, match=r"^copy \(rank 0, call \d+\) did not run: "
+                           r"kernel broken \(rank 0, call \d+\) failed \(an earlier call on "
+                           r"the same buffer\)$") as info:
+            await later
+        assert isinstance(info.value.__cause__, KernelError)
+        with pytest.raises(DependencyError, match=r"copy \(rank 0, call \d+\) failed$"):
+            await elsewhere  # an explicit waitfor: named as before
+        with pytest.raises(DependencyError, match="failed \\(an earlier call on the same"):
+            await apart
+        await unrelated
+        np.testing.assert_array_equal(on_device(dst), 0)  # nothing ran on bad data

@@ -12,12 +12,14 @@ import numpy as np
 
 from .. import _trace
 from .._constants import GLOBAL_COMM, TAG_ANY, ReduceFunction, Scenario
-from ..devices import DeviceCall
+from .._errors import DependencyError
+from ..devices import Device, DeviceCall
 from ..driver import Driver
 from . import _bridge
 from . import _checks as check
 from ._buffer import Buffer, allocate
 from ._call import Call
+from ._hazards import Hazards, Span
 from ._kernel import Kernel, on_card
 
 Calls = Iterable[Call]
@@ -26,6 +28,43 @@ Calls = Iterable[Call]
 def _head(buf: Buffer, elements: int) -> Buffer:
     """The first `elements` elements of a buffer, as a flat Buffer view."""
     return cast(Buffer, buf.reshape(-1)[:elements])
+
+
+def _spans(*accesses: tuple[Buffer | None, int]) -> tuple[Span, ...]:
+    """The device bytes of the first `elements` elements of each buffer (None and 0
+    elements touch nothing), each in the buffer's own itemsize."""
+    spans = []
+    for buf, elements in accesses:
+        if buf is not None and elements:
+            alloc = buf._allocation
+            assert alloc is not None  # checked by check.buffer
+            start = buf.device_address
+            spans.append((alloc.address, start, start + elements * buf.itemsize))
+    return tuple(spans)
+
+
+def _write_later(device: Device, address: int, data: np.ndarray) -> Callable[[], None]:
+    """A host job writing a snapshot of host data to device memory."""
+    return lambda: device.write(address, data)
+
+
+def _holds(device: Device, address: int, data: np.ndarray) -> bool:
+    """Whether device memory at `address` holds `data`'s bytes already, so that syncing
+    them in would change nothing an earlier call reads there."""
+    want = data.reshape(-1).view(np.uint8)
+    view = getattr(device, "array", None)  # the soft CCLO's memory, without a copy
+    if view is not None:
+        have = view(address, np.dtype(np.uint8), want.size)
+    else:
+        have = np.empty_like(want)
+        device.read(address, have)
+    if want.size <= _SMALL:
+        return want.tobytes() == have.tobytes()
+    return all(np.array_equal(want[i:i + _SMALL], have[i:i + _SMALL])  # bounded temporaries
+               for i in range(0, want.size, _SMALL))
+
+
+_SMALL = 1 << 16
 
 
 class ACCL:
@@ -44,6 +83,10 @@ class ACCL:
         self._rank, self._size = world.local_rank, len(world.ranks)
         self._lock = threading.Lock()
         self._outstanding: set[Call] = set()
+        # the device memory of unfinished calls, and which earlier calls each waits for
+        # because of it (for its DependencyError); both guarded by _lock
+        self._hazards: Hazards[Call] = Hazards()
+        self._hazard_deps: dict[Call, tuple[Call, ...]] = {}
         self._ncalls = 0
         self._closed = False
 
@@ -141,33 +184,86 @@ class ACCL:
     def _submit(self, op: str, scenario: Scenario, waitfor: Calls, *,
                 sync_in: Sequence[Buffer] = (), sync_out: Buffer | None = None,
                 buffers: tuple[Buffer | None, Buffer | None, Buffer | None] = (None, None, None),
+                reads: tuple[Span, ...] = (), writes: tuple[Span, ...] = (),
                 **call: Any) -> Call:
+        """Sync inputs in, start the call after `waitfor` and after the earlier calls
+        its device memory (`reads`, `writes`) conflicts with, and track it."""
         self._check_open()
         deps = check.waitfor(waitfor, self)
         submitted = time.perf_counter_ns() if _trace.active() is not None else 0
-        for region in sync_in:
-            region.sync_to_device()
+        waits = [d._device for d in deps]
+        hazards: tuple[Call, ...] = ()
+        if self._hazards:  # memory in use by unfinished calls: maybe ours
+            hazards, synced = self._order(deps, waits, reads, writes, sync_in)
+            writes += synced
+        else:
+            for region in sync_in:
+                region.sync_to_device()
         a0, a1, a2 = (0 if b is None else b.device_address for b in buffers)
-        device_call = self._driver.start(scenario, addrs=(a0, a1, a2),
-                                         waitfor=[d._device for d in deps],
-                                         **call)
+        device_call = self._driver.start(scenario, addrs=(a0, a1, a2), waitfor=waits, **call)
         finish = None if sync_out is None else sync_out.sync_from_device
         return self._track(op, "cclo", device_call, deps, submitted, finish,
-                           tuple(b for b in buffers if b is not None))
+                           tuple(b for b in buffers if b is not None),
+                           reads=reads, writes=writes, hazards=hazards)
+
+    def _order(self, deps: tuple[Call, ...], waits: list[DeviceCall], reads: tuple[Span, ...],
+               writes: tuple[Span, ...], sync_in: Sequence[Buffer] = (),
+               ) -> tuple[tuple[Call, ...], tuple[Span, ...]]:
+        """Results as if in order: the earlier unfinished calls a new call conflicts
+        with (beyond its `deps`), added to its device `waits`.
+
+        Host data is synced in now, unless that would change device memory an
+        earlier call still uses: then a snapshot of it (the call's input as of its
+        submission) is written by a host job once those calls are done, and the call
+        waits for the job. (Where earlier calls only read those bytes and they are
+        equal already, as when one buffer is sent again and again, nothing is written
+        and nothing waits.) Returns the hazards and the spans such jobs write, which
+        count as the call's writes.
+        """
+        regions = [(region, _spans((region, region.size))) for region in sync_in]
+        with self._lock:
+            found = self._hazards.conflicts(reads, writes)
+            blocked = [(region, span, self._hazards.conflicts(span, ()),
+                        self._hazards.conflicts((), span)) for region, span in regions]
+        device = self._driver.device
+        synced: list[Span] = []
+        for region, span, writers, users in blocked:
+            if not users:
+                region.sync_to_device()
+                continue
+            data = np.asarray(region)
+            if not writers and _holds(device, span[0][1], data):
+                continue  # readers only, and they read these very bytes
+            job = _write_later(device, span[0][1], data.copy())
+            waits.append(device.run(job, [c._device for c in users]))
+            synced += span
+            found += users
+        hazards = tuple(c for c in dict.fromkeys(found) if c not in deps)
+        waits += [c._device for c in hazards]
+        return hazards, tuple(synced)
 
     def _track(self, op: str, engine: str, device_call: DeviceCall, deps: tuple[Call, ...],
                submitted: int, finish: Callable[[], None] | None = None,
-               buffers: tuple[object, ...] = ()) -> Call:
-        """The Call of a submitted device call, kept until it completes."""
+               buffers: tuple[object, ...] = (), *, reads: tuple[Span, ...] = (),
+               writes: tuple[Span, ...] = (), hazards: tuple[Call, ...] = ()) -> Call:
+        """The Call of a submitted device call, kept (with the memory it uses) until
+        it completes."""
         self._ncalls += 1
         trace = _trace.active() if submitted else None  # submitted is 0 unless tracing
         if trace is not None:
             self._record(trace, op, engine, device_call, submitted)
-        result = Call(f"{op} (rank {self._rank}, call {self._ncalls})", self, device_call, deps,
-                      finish, self._forget, buffers)
+        result = Call(f"{op} (rank {self._rank}, call {self._ncalls})", self, device_call,
+                      deps + hazards, finish, self._forget, buffers)
         with self._lock:
-            if not result.done():
+            finished = result.done()
+            if not finished:
                 self._outstanding.add(result)
+                if reads or writes:
+                    self._hazards.add(result, reads, writes)
+                if hazards:
+                    self._hazard_deps[result] = hazards
+        if finished and hazards:  # failed at once: nobody has seen its error yet
+            self._explain(result, hazards)
         return result
 
     def _record(self, trace: _trace.Trace, op: str, engine: str, device_call: DeviceCall,
@@ -189,6 +285,27 @@ class ACCL:
     def _forget(self, call: Call) -> None:
         with self._lock:
             self._outstanding.discard(call)
+            self._hazards.discard(call)
+            hazards = self._hazard_deps.pop(call, None)
+        if hazards is not None:
+            self._explain(call, hazards)
+
+    @staticmethod
+    def _explain(call: Call, hazards: tuple[Call, ...]) -> None:
+        """Name the failed calls a call waited for only because they used the same
+        memory: the user never listed them in `waitfor`. Runs before anyone can see
+        the call's error (from its on_done callback, or before it is returned)."""
+        error = call._error
+        if not isinstance(error, DependencyError):
+            return
+        failed = [d for d in call._deps if d._error is not None]
+        if not any(d in hazards for d in failed):
+            return
+        reasons = [f"{d.name} failed" + (" (an earlier call on the same buffer)"
+                                         if d in hazards else "") for d in failed]
+        explained = DependencyError(f"{call.name} did not run: {'; '.join(reasons)}")
+        explained.__cause__ = error.__cause__
+        call._error = explained
 
     # -- kernels and transfers ---------------------------------------------------------
 
@@ -215,30 +332,37 @@ class ACCL:
                         for i, a in [*enumerate(args), *kwargs.items()]
                         if isinstance(a, Buffer))
         submitted = time.perf_counter_ns() if _trace.active() is not None else 0
-        device_call = kernel._start(self._driver.device, args, kwargs,
-                                    [d._device for d in deps])
+        spans = _spans(*((b, b.size) for b in buffers))  # a kernel may read and write each
+        waits = [d._device for d in deps]
+        hazards = self._order(deps, waits, (), spans)[0] if self._hazards else ()
+        device_call = kernel._start(self._driver.device, args, kwargs, waits)
         return self._track(f"kernel {kernel.name}", "kernel", device_call, deps, submitted,
-                           buffers=buffers)
+                           buffers=buffers, writes=spans, hazards=hazards)
 
     def sync_to_device(self, buf: Buffer, *, waitfor: Calls = ()) -> Call:
         """Copy buf's host elements to device memory, as a call: it runs on the device's
         workers once `waitfor` succeeded, so it overlaps with compute and other calls.
         Pass a slice (`buf[:n]`) to move part of a buffer."""
-        return self._transfer("sync_to_device", buf, Buffer.sync_to_device, waitfor)
+        return self._transfer("sync_to_device", buf, Buffer.sync_to_device, True, waitfor)
 
     def sync_from_device(self, buf: Buffer, *, waitfor: Calls = ()) -> Call:
         """Copy buf's device memory into its host elements, as a call (see
         `sync_to_device`)."""
-        return self._transfer("sync_from_device", buf, Buffer.sync_from_device, waitfor)
+        return self._transfer("sync_from_device", buf, Buffer.sync_from_device, False, waitfor)
 
-    def _transfer(self, op: str, buf: Buffer, move: Callable[[Buffer], None],
+    def _transfer(self, op: str, buf: Buffer, move: Callable[[Buffer], None], to_device: bool,
                   waitfor: Calls) -> Call:
         self._check_open()
         deps = check.waitfor(waitfor, self)
         region = check.buffer(buf, "buf", self, 0, cclo=False)
         submitted = time.perf_counter_ns() if _trace.active() is not None else 0
-        device_call = self._driver.device.run(lambda: move(region), [d._device for d in deps])
-        return self._track(op, "dma", device_call, deps, submitted, buffers=(region,))
+        spans = _spans((region, region.size))
+        reads, writes = ((), spans) if to_device else (spans, ())
+        waits = [d._device for d in deps]
+        hazards = self._order(deps, waits, reads, writes)[0] if self._hazards else ()
+        device_call = self._driver.device.run(lambda: move(region), waits)
+        return self._track(op, "dma", device_call, deps, submitted, buffers=(region,),
+                           reads=reads, writes=writes, hazards=hazards)
 
     # -- primitives -------------------------------------------------------------------
 
@@ -257,6 +381,7 @@ class ACCL:
         return self._submit("copy", Scenario.COPY, waitfor, count=n,
                             operand_dtypes=(src_dtype, None, dst_dtype),
                             stream_flags=stream_flags, buffers=(src, None, dst),
+                            reads=_spans((src, n)), writes=_spans((dst, n)),
                             sync_in=() if from_fpga else (_head(src, n),),
                             sync_out=None if to_fpga else _head(dst, n))
 
@@ -276,6 +401,7 @@ class ACCL:
         return self._submit("combine", Scenario.COMBINE, waitfor, count=n, function=int(fn),
                             operand_dtypes=(dtypes[0], dtypes[1], dtypes[2]),
                             buffers=(a, b, out), sync_in=sync_in,
+                            reads=_spans((a, n), (b, n)), writes=_spans((out, n)),
                             sync_out=None if to_fpga else _head(out, n))
 
     def send(self, srcbuf: Buffer, count: int, dst: int, tag: int = TAG_ANY,
@@ -290,6 +416,7 @@ class ACCL:
         return self._submit("send", Scenario.SEND, waitfor, count=n, comm_id=comm_id,
                             root_src_dst=peer, tag=t, dtype=src.dtype, compress_dtype=wire,
                             stream_flags=stream_flags, buffers=(src, None, None),
+                            reads=_spans((src, n)),
                             sync_in=() if from_fpga else (_head(src, n),))
 
     def recv(self, dstbuf: Buffer, count: int, src: int, tag: int = TAG_ANY,
@@ -303,6 +430,7 @@ class ACCL:
         return self._submit("recv", Scenario.RECV, waitfor, count=n, comm_id=comm_id,
                             root_src_dst=peer, tag=t, dtype=dst.dtype, compress_dtype=wire,
                             stream_flags=stream_flags, buffers=(None, None, dst),
+                            writes=_spans((dst, n)),
                             sync_out=None if to_fpga else _head(dst, n))
 
     # -- collectives ------------------------------------------------------------------
@@ -319,6 +447,8 @@ class ACCL:
         return self._submit("bcast", Scenario.BCAST, waitfor, count=n, comm_id=comm_id,
                             root_src_dst=r, dtype=b.dtype, compress_dtype=wire,
                             buffers=(b, None, b),
+                            reads=_spans((b, n)) if is_root else (),
+                            writes=() if is_root else _spans((b, n)),
                             sync_in=(_head(b, n),) if is_root and not from_fpga else (),
                             # the root's host copy is current unless its data came from the device
                             sync_out=None if to_fpga or (is_root and not from_fpga)
@@ -338,6 +468,8 @@ class ACCL:
         return self._submit("scatter", Scenario.SCATTER, waitfor, count=n, comm_id=comm_id,
                             root_src_dst=r, dtype=dtype, compress_dtype=wire,
                             buffers=(s, None, d),
+                            reads=_spans((s, n * size)) if is_root else (),
+                            writes=_spans((d, n)),
                             sync_in=(_head(s, n * size),) if is_root and s is not None
                             and not from_fpga else (),
                             sync_out=None if to_fpga else _head(d, n))
@@ -356,6 +488,8 @@ class ACCL:
         return self._submit("gather", Scenario.GATHER, waitfor, count=n, comm_id=comm_id,
                             root_src_dst=r, dtype=dtype, compress_dtype=wire,
                             buffers=(s, None, d),
+                            reads=_spans((s, n)),
+                            writes=_spans((d, n * size)) if is_root else (),
                             sync_in=() if from_fpga else (_head(s, n),),
                             sync_out=_head(d, n * size) if is_root and d is not None
                             and not to_fpga else None)
@@ -374,6 +508,7 @@ class ACCL:
         return self._submit("reduce", Scenario.REDUCE, waitfor, count=n, comm_id=comm_id,
                             root_src_dst=r, function=int(fn), dtype=dtype, compress_dtype=wire,
                             buffers=(s, None, d),
+                            reads=_spans((s, n)), writes=_spans((d, n)) if is_root else (),
                             sync_in=() if from_fpga else (_head(s, n),),
                             sync_out=_head(d, n) if is_root and d is not None
                             and not to_fpga else None)
@@ -393,6 +528,7 @@ class ACCL:
         wire = check.compression(dtype, compress_dtype)
         return self._submit(op, scenario, waitfor, count=n, comm_id=comm_id, function=function,
                             dtype=dtype, compress_dtype=wire, buffers=(s, d, d),
+                            reads=_spans((s, n * inputs)), writes=_spans((d, n * outputs)),
                             sync_in=() if from_fpga else (_head(s, n * inputs),),
                             sync_out=None if to_fpga else _head(d, n * outputs))
 
