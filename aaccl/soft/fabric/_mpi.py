@@ -56,9 +56,6 @@ class MPIFabric:
         self.bufsize = bufsize
         self.window = max(1, nbufs // max(1, self.size - 1))
         self._lock = threading.Lock()
-        # one MPI call at a time: MPICH/UCX crash when a peer's failure is handled on
-        # one thread while another sends to it
-        self._mpi = threading.Lock()
         self._ids = itertools.count()
         self._in_flight: list[tuple[Any, object]] = []  # MPI requests and what they send
         self._eager: dict[int, tuple[int, int]] = {}  # id -> (dst, segments) awaiting ack
@@ -94,16 +91,13 @@ class MPIFabric:
         header = (msg_id, msg.key, msg.seq, msg.tag, eager, msg.tombstone, nbytes)
         self._send_obj(header, dst, HEADER)
         if nbytes:
-            with self._mpi:
-                sent = self.comm.Isend([payload, nbytes, _BYTE()], dst, _payload_tag(msg_id))
-            self._track(sent, payload)
+            self._track(self.comm.Isend([payload, nbytes, _BYTE()], dst, _payload_tag(msg_id)),
+                        payload)
         return request
 
     def _send_obj(self, obj: object, dst: int, tag: int) -> None:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        with self._mpi:
-            request = self.comm.Isend([data, len(data), _BYTE()], dst, tag)
-        self._track(request, data)
+        self._track(self.comm.Isend([data, len(data), _BYTE()], dst, tag), data)
 
     def _track(self, request: Any, keepalive: object) -> None:
         with self._lock:
@@ -119,9 +113,8 @@ class MPIFabric:
         while not self._closed:
             # MPICH's Improbe matches what it has already taken in, then makes
             # progress: a message that came during a nap is found by a second probe
-            with self._mpi:
-                message = (self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-                           or self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status))
+            message = (self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+                       or self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status))
             if message is None:
                 self._reap()
                 time.sleep(IDLE_SLEEP if time.monotonic() - last > SPIN else 0)
@@ -131,8 +124,7 @@ class MPIFabric:
                 self._reap()
             src, tag = status.Get_source(), status.Get_tag()
             data = bytearray(status.Get_count(MPI.BYTE))
-            with self._mpi:
-                message.Recv([data, MPI.BYTE])
+            message.Recv([data, MPI.BYTE])
             obj = pickle.loads(data)
             if tag == HEADER:
                 self._receive(src, *obj)
@@ -177,8 +169,7 @@ class MPIFabric:
         """Forget MPI sends that have completed (and the buffers they kept alive)."""
         with self._lock:
             if self._in_flight:
-                with self._mpi:
-                    self._in_flight = [item for item in self._in_flight if not item[0].Test()]
+                self._in_flight = [item for item in self._in_flight if not item[0].Test()]
 
     def _withdraw(self, dst: int, msg_id: int) -> bool:
         """Give up on a non-eager send; False if it was acknowledged meanwhile."""
