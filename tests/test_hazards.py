@@ -10,9 +10,11 @@ un-awaited calls give what running them one at a time gives.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import anyio
 import numpy as np
@@ -411,3 +413,269 @@ async def test_a_failed_earlier_call_on_the_same_buffer_fails_the_later_one() ->
             await apart
         await unrelated
         np.testing.assert_array_equal(on_device(dst), 0)  # nothing ran on bad data
+
+
+
+@pytest.mark.anyio
+async def test_10000_outstanding_calls_on_one_allocation() -> None:
+    """Half on disjoint slices (none waits), half a chain folding into one slice (each
+    waits for the last): submitted in time linear in their number, and forgotten."""
+    k = 5000
+    async with aaccl.open_world(1) as (accl,):
+        one = filled(accl, np.ones(4, np.float32))
+        big = accl.allocate(4 * k + 4, np.float32)
+        began = time.perf_counter()
+        calls = [accl.copy(one, big[4 * i:4 * i + 4], 4, from_fpga=True, to_fpga=True)
+                 for i in range(k)]
+        total = big[4 * k:]
+        calls += [accl.combine(4, SUM, total, one, total, True, True, to_fpga=True)
+                  for _ in range(k)]
+        submitted = time.perf_counter() - began
+        for call in calls:
+            await call
+        np.testing.assert_array_equal(on_device(big), np.r_[np.ones(4 * k), np.full(4, k)])
+        assert not accl._hazards and len(accl._hazards) == 0 and not accl._hazard_deps
+        assert submitted < 20  # about 1 s here
+
+
+# -- on ACCL's emulator protocol and on the PYNQ fake: hazards as waitfor --------------------------
+
+def spy_on_starts(device: object) -> list[tuple[object, list[object]]]:
+    """Record (args, waitfor) of every call the driver starts on `device`."""
+    seen: list[tuple[object, list[object]]] = []
+    start = device.start  # type: ignore[attr-defined]
+
+    def recording(args: object, waitfor: object = ()) -> object:
+        seen.append((args, list(waitfor)))  # type: ignore[call-overload]
+        return start(args, waitfor)
+
+    device.start = recording  # type: ignore[attr-defined]
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_on_the_emulator_protocol_a_hazard_is_a_dependency_resolved_on_the_host(
+        backend: str) -> None:
+    pytest.importorskip("zmq", reason="the emulator device needs pyzmq")
+    from aaccl._constants import Scenario
+    from test_emulator_protocol import FakeEmulator
+
+    n = 50
+    fake = FakeEmulator()
+
+    async def main(accl: aaccl.ACCL) -> list[tuple[int, int]]:
+        seen = spy_on_starts(accl._driver.device)
+        src, mid, dst, other = (accl.allocate(n, np.float32) for _ in range(4))
+        src[:] = np.arange(n)
+        opened, held = gate(accl)
+        produce = accl.copy(src, mid, n, to_fpga=True, waitfor=[held])
+        consume = accl.copy(mid, dst, n, from_fpga=True)  # reads what produce writes
+        beside = accl.copy(src, other, n)  # reads what produce reads: no wait
+        with anyio.fail_after(5):
+            await beside  # ran on the emulator while produce waits
+        assert not produce.done() and not consume.done()
+        opened.set()
+        await consume
+        await produce
+        np.testing.assert_array_equal(dst, np.arange(n))
+        copies = [waitfor for args, waitfor in seen if args.scenario == Scenario.COPY]
+        assert copies == [[held._device], [produce._device], []]
+        return [(b.device_address, c.device_address) for b, c in
+                [(src, other), (src, mid), (mid, dst)]]
+
+    try:
+        [expected] = aaccl.run(main, 1, device="emulator", emulator_port=fake.port, nbufs=4,
+                               timeout=5, backend=backend)
+        started = [(c.request["addr_0"], c.request["addr_2"]) for c in fake.started()
+                   if c.scenario == Scenario.COPY]
+        assert started == expected  # beside while produce waited, consume after produce
+    finally:
+        fake.close()
+    assert fake.violations == []
+
+
+@pytest.mark.anyio
+async def test_on_pynq_a_hazard_is_a_waitfor_handed_to_the_card(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from aaccl._constants import Scenario
+    from aaccl.api._accl import ACCL
+    from aaccl.api._world import _ranks
+    from aaccl.devices._pynq import PynqDevice
+    from aaccl.driver import Driver
+    from fakes.fake_pynq import Fake
+
+    fake = Fake().install(monkeypatch)
+    device = PynqDevice("/opt/accl/ccl_offload.xclbin")
+    accl = await ACCL.open(Driver(device, 0, _ranks(1, 1024), nbufs=4, bufsize=1024, timeout=5))
+    try:
+        n = 100
+        src, mid, dst, other = (accl.allocate(n, np.float32) for _ in range(4))
+        src[:] = np.arange(n)
+        held = fake.hold(Scenario.COPY)
+        produce = accl.copy(src, mid, n, to_fpga=True)
+        consume = accl.copy(mid, dst, n, from_fpga=True)  # reads what produce writes
+        beside = accl.copy(src, other, n, to_fpga=True)  # reads what produce reads
+        mid[:] = 5
+        resync = accl.copy(mid, other, n)  # host mid in: after produce wrote, consume read it
+        first, second, third = fake.runs(Scenario.COPY)
+        assert (first.waitfor, second.waitfor, third.waitfor) == ((), (first.handle,), ())
+        assert len(fake.runs(Scenario.COPY)) == 3  # resync waits for its snapshot, on the host
+        held.set()
+        for call in (resync, consume, beside, produce):
+            await call
+        np.testing.assert_array_equal(dst, np.arange(n))
+        np.testing.assert_array_equal(other, 5)
+        (fourth,) = fake.runs(Scenario.COPY)[3:]
+        synced = fake.events.index(("sync_to_device", mid.device_address, 4 * n))
+        assert fake.events.index(("ended", second)) < synced < fake.events.index(("began", fourth))
+    finally:
+        await accl.aclose()
+        fake.shutdown()
+    assert fake.races == [], "PYNQ's start and _handle_events ran at once"
+
+
+# -- random programs of un-awaited calls, against running them one at a time ---------------------
+
+NBUFS, LENGTH, MAX_N = 3, 24, 8
+KINDS = ["copy", "combine", "sendrecv", "allreduce", "bcast"]
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str
+    rank: int  # copy, combine: the rank; sendrecv: the sender; bcast: the root
+    peer: int  # sendrecv: the receiver
+    slices: tuple[tuple[int, int], ...]  # (buffer, offset): what the op reads, then writes
+    n: int
+    func: ReduceFunction
+
+
+@dataclass(frozen=True)
+class Program:
+    size: int
+    ops: tuple[Op, ...]
+    seed: int
+
+
+def apart_or_same(slices: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """An op's written slice either is one of its read slices (in place) or overlaps
+    none: partial overlap inside one call is not what this tests."""
+    *reads, write = slices
+    for read in reads:
+        if read[0] == write[0] and read != write and abs(read[1] - write[1]) < n:
+            reads = [read if other[0] == read[0] and abs(other[1] - read[1]) < n else other
+                     for other in reads]
+            write = read
+    return [*reads, write]
+
+
+@st.composite
+def programs(draw: st.DrawFn) -> Program:
+    size = draw(st.integers(2, 3))
+    ops = []
+    for _ in range(draw(st.integers(1, 14))):
+        kind = draw(st.sampled_from(KINDS))
+        n = draw(st.integers(1, MAX_N))
+        arity = 3 if kind == "combine" else 2
+        slices = [(draw(st.integers(0, NBUFS - 1)), draw(st.integers(0, LENGTH - n)))
+                  for _ in range(arity)]
+        if kind != "sendrecv":  # a sendrecv's slices are on two ranks
+            slices = apart_or_same(slices, n)
+        rank = draw(st.integers(0, size - 1))
+        peer = draw(st.integers(0, size - 2))
+        ops.append(Op(kind, rank, peer + (peer >= rank), tuple(slices), n,
+                      draw(st.sampled_from([ReduceFunction.SUM, ReduceFunction.MAX]))))
+    return Program(size, tuple(ops), draw(st.integers(0, 2**16)))
+
+
+def initial(rank: int, buf: int) -> np.ndarray:
+    return np.random.default_rng(100 * rank + buf).integers(-9, 10, LENGTH).astype(np.float64)
+
+
+def in_order(program: Program) -> list[list[np.ndarray]]:
+    """Device memory after running the program one call at a time, in order."""
+    mem = [[initial(r, b) for b in range(NBUFS)] for r in range(program.size)]
+    fold = {ReduceFunction.SUM: np.add, ReduceFunction.MAX: np.maximum}
+    for op in program.ops:
+        n = op.n
+
+        def at(rank: int, where: tuple[int, int]) -> np.ndarray:
+            return mem[rank][where[0]][where[1]:where[1] + n]
+        if op.kind == "copy":
+            at(op.rank, op.slices[1])[:] = at(op.rank, op.slices[0]).copy()
+        elif op.kind == "combine":
+            a, b, out = op.slices
+            at(op.rank, out)[:] = fold[op.func](at(op.rank, a), at(op.rank, b))
+        elif op.kind == "sendrecv":
+            at(op.peer, op.slices[1])[:] = at(op.rank, op.slices[0]).copy()
+        elif op.kind == "allreduce":
+            values = [at(r, op.slices[0]).copy() for r in range(program.size)]
+            total = values[0]
+            for value in values[1:]:
+                total = fold[op.func](total, value)
+            for r in range(program.size):
+                at(r, op.slices[1])[:] = total
+        else:  # bcast
+            value = at(op.rank, op.slices[0]).copy()
+            for r in range(program.size):
+                at(r, op.slices[0])[:] = value
+    return mem
+
+
+def run_program(program: Program, backend: str) -> list[list[np.ndarray]]:
+    """Every rank submits its part of the program in order, awaiting nothing until the
+    end; ranks yield to each other at random places."""
+
+    async def main(accl: aaccl.ACCL) -> list[np.ndarray]:
+        rng = random.Random(program.seed * 10 + accl.rank)
+        bufs = [filled(accl, initial(accl.rank, b)) for b in range(NBUFS)]
+        calls = []
+        for tag, op in enumerate(program.ops):
+            if rng.random() < 0.3:
+                await anyio.lowlevel.checkpoint()
+            slices = [bufs[b][offset:offset + op.n] for b, offset in op.slices]
+            on = {"from_fpga": True, "to_fpga": True}
+            if op.kind == "copy" and accl.rank == op.rank:
+                calls.append(accl.copy(*slices, op.n, **on))
+            elif op.kind == "combine" and accl.rank == op.rank:
+                calls.append(accl.combine(op.n, op.func, *slices, val1_from_fpga=True,
+                                          val2_from_fpga=True, to_fpga=True))
+            elif op.kind == "sendrecv" and accl.rank == op.rank:
+                calls.append(accl.send(slices[0], op.n, op.peer, tag=tag, from_fpga=True))
+            elif op.kind == "sendrecv" and accl.rank == op.peer:
+                calls.append(accl.recv(slices[1], op.n, op.rank, tag=tag, to_fpga=True))
+            elif op.kind == "allreduce":
+                calls.append(accl.allreduce(*slices, op.n, op.func, **on))
+            elif op.kind == "bcast":
+                calls.append(accl.bcast(slices[0], op.n, op.rank, **on))
+        rng.shuffle(calls)
+        for call in calls:
+            await call
+        return [on_device(buf) for buf in bufs]
+
+    return aaccl.run(main, world_size=program.size, backend=backend, timeout=5.0)
+
+
+def check_program(program: Program, backend: str) -> None:
+    want = in_order(program)
+    got = run_program(program, backend)
+    for rank in range(program.size):
+        for b in range(NBUFS):
+            np.testing.assert_array_equal(got[rank][b], want[rank][b],
+                                          err_msg=f"rank {rank}, buffer {b}, of {program}")
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@settings(max_examples=50, deadline=None)
+@given(programs())
+def test_random_programs_give_the_in_order_result(backend: str, program: Program) -> None:
+    check_program(program, backend)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@settings(max_examples=150, deadline=None)
+@given(programs())
+def test_random_programs_give_the_in_order_result_at_length(backend: str,
+                                                            program: Program) -> None:
+    check_program(program, backend)

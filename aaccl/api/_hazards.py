@@ -165,6 +165,11 @@ class Hazards(Generic[K]):
               held: list[_Segment[K]]) -> None:
         """Add `key` as a reader of [start, end): to the segments there, and to one new
         segment per stretch of untouched memory (empty segments merged into it)."""
+        if not region.segments:  # the common case: memory no other call uses
+            seg = self._fresh(key, region, start, end, held)
+            region.segments.append(seg)
+            region.starts.append(start)
+            return
         lo, hi = self._cut(region, start, end)
         old = region.segments[lo:hi]
         out: list[_Segment[K]] = []
@@ -208,8 +213,8 @@ class Hazards(Generic[K]):
                held: list[_Segment[K]]) -> None:
         """Make `key` the writer of [start, end): one segment that supersedes whatever
         was there (those calls are ordered before it)."""
-        lo, hi = self._cut(region, start, end)
         segments = region.segments
+        lo, hi = self._cut(region, start, end) if segments else (0, 0)
         if hi - lo == 1 and segments[lo].start == start and segments[lo].end == end:
             seg = segments[lo]  # the same bytes again (a loop into one buffer): reuse
             region.live -= seg.members()
