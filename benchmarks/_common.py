@@ -23,8 +23,8 @@ def median(samples: list[float]) -> float:
 
 
 def spread(samples: list[float]) -> dict[str, float]:
-    return {"median": median(samples), "min": min(samples), "max": max(samples),
-            "n": len(samples)}
+    return {"median": median(samples), "mean": statistics.fmean(samples),
+            "min": min(samples), "max": max(samples), "n": len(samples)}
 
 
 def busy_cpus(seconds: float = 0.5) -> float | None:

@@ -1,8 +1,9 @@
 """In-process performance targets of DESIGN.md, measured side by side in one run.
 
-    python benchmarks/bench_inprocess.py            # full run: 64 MiB, about 15 s
+    python benchmarks/bench_inprocess.py            # full run: 64 MiB, the sweeps, 1-3 min
     python benchmarks/bench_inprocess.py --quick    # small sizes, a CI smoke test
     python benchmarks/bench_inprocess.py --json -   # machine-readable results on stdout
+    python benchmarks/bench_inprocess.py --plot sweep.png   # and draw the N sweep
 
 What it measures (see benchmarks/README.md for the details):
 
@@ -10,14 +11,20 @@ What it measures (see benchmarks/README.md for the details):
     buffers (from_fpga=True, to_fpga=True), against mpi4py's Comm.Allreduce over 4 MPICH
     processes and against one numpy pass doing the same sums and copies;
 (b) the round trip of `await accl.nop()`;
-(c) a 4-byte allreduce (count=1 float32) over 4 in-process ranks, against MPICH's.
+(c) a 4-byte allreduce (count=1 float32) over 4 in-process ranks, against MPICH's;
+(d) the N sweep: allreduce of 4 B and 1 KiB over N = 2..64 in-process ranks, timed as
+    (c), against N log N, and MPICH's Allreduce over 2 and 4 processes;
+(e) K = 1,000 and 10,000 outstanding send/recv pairs between 2 ranks: time per pair,
+    against O(K).
 
 One aaccl iteration is the wall time from just before the first rank submits its call
 to the moment the event loop has seen every rank's call complete (all four calls are
 awaited together): it covers the whole collective on every rank. One MPI iteration
 starts after a Barrier and lasts from the earliest rank's entry into Allreduce to the
 latest rank's return from it (time.perf_counter is CLOCK_MONOTONIC, one clock for
-every process of the machine). Medians are reported, after warm-up iterations.
+every process of the machine). Medians are reported, after warm-up iterations, and
+each is checked against a second timing of the same iterations (the whole loop's wall
+time / iterations): a disagreement of more than 25 % prints a warning.
 
 MPI is optional: without `mpiexec` or mpi4py, its columns read n/a. The script runs
 itself under `mpiexec -n 4 ... --mpi-worker` for the MPI side; rank 0 prints JSON.
@@ -31,12 +38,14 @@ import gc
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from typing import Any
 
 import numpy as np
 
+import _scaling as scaling
 from _common import (MiB, add_run_options, busy_cpus, find_mpiexec, fmt_time, mpi_env, report,
                      run_mpiexec, spread, verdict)
 
@@ -48,6 +57,11 @@ TARGETS = {
     "allreduce_large_vs_numpy": "aaccl time / numpy time <= 1.5",
     "nop_round_trip": "median <= 20 us",
     "allreduce_small_vs_mpi": "aaccl time / MPICH time <= 1.0",
+    "allreduce_scaling_4B": "4 B allreduce over N in-process ranks: for every N above 4, "
+                            "t(N)/t(4) <= (N log2 N)/(4 log2 4)",
+    "allreduce_scaling_1KiB": "the same at 1 KiB",
+    "outstanding_calls": "time per send/recv pair with 10,000 outstanding <= 1.5x that with "
+                         "1,000",
 }
 
 
@@ -77,7 +91,10 @@ async def _aaccl_bench(count: int, iters: int, warmup: int, small_iters: int,
 
         for _ in range(warmup):
             await allreduce(count)
+        loop = asyncio.get_running_loop()
+        loop_start = loop.time()
         large = [await allreduce(count) for _ in range(iters)]
+        out["allreduce_large_back_to_back_s"] = (loop.time() - loop_start) / iters
         expected = RANKS * (RANKS + 1) / 2
         for _, dst in pairs:  # outside the timing: the result really is on every device
             dst[:] = 0
@@ -104,10 +121,12 @@ async def _aaccl_bench(count: int, iters: int, warmup: int, small_iters: int,
         for _ in range(max(10, nop_iters // 10)):
             await accl.nop()
         nops = []
+        loop_start = loop.time()
         for _ in range(nop_iters):
             start = time.perf_counter()
             await accl.nop()
             nops.append(time.perf_counter() - start)
+        out["nop_back_to_back_s"] = (loop.time() - loop_start) / nop_iters  # second timing
         out["nop_s"] = spread(nops)
     return out
 
@@ -243,7 +262,51 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
                  "pass": None if ratio is None else ratio <= 1.0})
     for row in rows:
         row["binding"] = binding_size or not row["target"].startswith("allreduce_large")
+    sweep = results.get("sweep")
+    if sweep:
+        rows += scaling.scaling_verdicts(sweep["points"], sweep["counts"])
+    if results.get("outstanding"):
+        rows.append(scaling.outstanding_verdict(results["outstanding"]))
     return rows
+
+
+def timing_checks(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every reported median against a second timing of the same iterations."""
+    aac, mpi = results["aaccl"], results["mpi"]
+    checks = []
+
+    def med(block: dict[str, Any], key: str) -> float | None:
+        return block[key]["median"] if isinstance(block.get(key), dict) else None
+
+    def mean(block: dict[str, Any], key: str) -> float | None:
+        return block[key].get("mean") if isinstance(block.get(key), dict) else None
+
+    loop_wall = "loop's wall time / iterations"
+    checks.append(scaling.timing_check("(a) aaccl allreduce, large", med(aac, "allreduce_large_s"),
+                                       aac.get("allreduce_large_back_to_back_s"), loop_wall,
+                                       mean(aac, "allreduce_large_s")))
+    checks.append(scaling.timing_check("(b) aaccl nop round trip", med(aac, "nop_s"),
+                                       aac.get("nop_back_to_back_s"), loop_wall,
+                                       mean(aac, "nop_s")))
+    checks.append(scaling.timing_check("(c) aaccl allreduce 4 B, 4 ranks",
+                                       med(aac, "allreduce_small_s"),
+                                       aac.get("allreduce_small_back_to_back_s"),
+                                       "a back-to-back run"))
+    checks.append(scaling.timing_check("(c) MPICH allreduce 4 B, 4 processes",
+                                       med(mpi, "allreduce_small_s"),
+                                       mpi.get("allreduce_small_back_to_back_s"),
+                                       "back to back, no barrier"))
+    sweep = results.get("sweep") or {}
+    for side, points, second in (
+            ("aaccl", sweep.get("points", []), loop_wall),
+            ("MPICH", sweep.get("mpi", {}).get("points", []),
+             "back to back, no barrier")):
+        for p in points:
+            checks.append(scaling.timing_check(
+                f"(d) {side} allreduce {scaling.size_name(p['bytes'])}, N={p['ranks']}",
+                p.get("median"), p.get("back_to_back_s"), second,
+                p.get("mean") if side == "aaccl" else None))
+    return [c for c in checks if c is not None]
 
 
 def print_table(results: dict[str, Any], verdicts: list[dict[str, Any]]) -> None:
@@ -302,6 +365,44 @@ def print_table(results: dict[str, Any], verdicts: list[dict[str, Any]]) -> None
         library = " ".join(mpi["library"].split())
         print(f"MPI: {library}; {mpi['size']} processes, MPI env vars: {env}; "
               f"results {'correct' if mpi['correct'] else 'WRONG'}")
+    source = cfg.get("aaccl_source")
+    if source:
+        print(f"aaccl: {source['path']}, {cfg.get('label') or 'commit unknown'}")
+    scaling.print_scaling(results, verdicts)
+    print()
+    scaling.print_timing_checks(results.get("timing_checks", []))
+
+
+def source_of_aaccl() -> dict[str, Any]:
+    """Where the aaccl this run imports lives, and its git commit if it is a checkout
+    ("+dirty" when aaccl/ has uncommitted changes)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("aaccl")
+    path = os.path.dirname(spec.origin) if spec and spec.origin else None
+    info: dict[str, Any] = {"path": path, "commit": None}
+    if path is None:
+        return info
+    try:
+        def git(*argv: str) -> str:
+            return subprocess.run(["git", "-C", path, *argv], capture_output=True, text=True,
+                                  timeout=10, check=True).stdout.strip()
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--", "."))
+        info["commit"] = commit + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def main() -> int:
@@ -317,6 +418,42 @@ def main() -> int:
     parser.add_argument("--nop-iters", type=int, default=None,
                         help="timed iterations of (b) (default 5000, --quick: 500)")
     parser.add_argument("--no-mpi", action="store_true", help="skip the MPICH comparison")
+    sweep = parser.add_argument_group("(d) the N sweep and (e) outstanding calls")
+    sweep.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
+                       help="run (d), allreduce over N in-process ranks (default: yes)")
+    sweep.add_argument("--sweep-ranks", type=int_list, default=None, metavar="N,N,...",
+                       help="the Ns of (d) (default 2,4,8,16,32,64; --quick: 2,4,8,16)")
+    sweep.add_argument("--sweep-counts", type=int_list, default=list(scaling.SWEEP_COUNTS),
+                       metavar="C,C,...",
+                       help="float32 elements per allreduce in (d) (default 1,256: 4 B, 1 KiB)")
+    sweep.add_argument("--sweep-iters", type=int, default=None,
+                       help="most timed iterations per point of (d) (default 300, --quick: 30)")
+    sweep.add_argument("--sweep-budget", type=float, default=None, metavar="SECONDS",
+                       help="seconds of timed iterations per point of (d) and per K of (e); "
+                            f"every point gets at least {scaling.MIN_ITERS} (default 3, "
+                            "--quick: 0.5)")
+    sweep.add_argument("--sweep-mpi-ranks", type=int_list, default=None, metavar="N,N,...",
+                       help="MPICH process counts for (d) (default 2,4; --quick: 2); "
+                            "needs MPI, skipped with --no-mpi")
+    sweep.add_argument("--outstanding", type=int_list, default=None, metavar="K,K,...",
+                       help="outstanding send/recv pairs of (e) (default 1000,10000; "
+                            "--quick: 100,1000)")
+    sweep.add_argument("--no-outstanding", action="store_true", help="skip (e)")
+    sweep.add_argument("--outstanding-reps", type=int, default=3,
+                       help="runs of each K of (e), fewer once the budget is spent (default 3)")
+    sweep.add_argument("--outstanding-timeout", type=float, default=None, metavar="SECONDS",
+                       help="the world's timeout and the await's bound in (e) (default 30, "
+                            "--quick: 10); a K that exceeds it is FAILED")
+    output = parser.add_argument_group("plot and labels")
+    output.add_argument("--plot", metavar="PNG", help="draw (d): latency vs N, log-log")
+    output.add_argument("--plot-with", action="append", default=[], metavar="JSON",
+                        help="also draw the sweep of an earlier --json file (repeatable)")
+    output.add_argument("--from-json", metavar="JSON",
+                        help="measure nothing: print (and --plot) an earlier --json file")
+    output.add_argument("--label", help="name of this run in the JSON and the plot's legend "
+                                        "(default: aaccl's git commit)")
+    parser.add_argument("--sweep-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--outstanding-worker", action="store_true", help=argparse.SUPPRESS)
     add_run_options(parser)
     args = parser.parse_args()
 
@@ -327,28 +464,82 @@ def main() -> int:
     small_iters = args.small_iters or (100 if quick else 1000)
     nop_iters = args.nop_iters or (500 if quick else 5000)
     warmup = max(1, args.warmup)
+    sweep_ranks = args.sweep_ranks or ([2, 4, 8, 16] if quick else list(scaling.SWEEP_RANKS))
+    sweep_iters = max(1, args.sweep_iters or (30 if quick else 300))
+    budget = args.sweep_budget if args.sweep_budget is not None else (0.5 if quick else 3.0)
+    mpi_ranks = args.sweep_mpi_ranks or ([2] if quick else list(scaling.SWEEP_MPI_RANKS))
+    ks = args.outstanding or ([100, 1000] if quick else list(scaling.OUTSTANDING_KS))
+    out_timeout = args.outstanding_timeout or (10.0 if quick else 30.0)
+    script = os.path.abspath(__file__)
 
+    if args.mpi_worker and args.sweep_worker:
+        scaling.mpi_sweep_worker(args.sweep_counts, sweep_iters, budget)
+        return 0
     if args.mpi_worker:
         mpi_worker(count, iters, warmup, small_iters)
         return 0
+    if args.outstanding_worker:
+        scaling.outstanding_worker(count, max(1, args.outstanding_reps), budget, out_timeout)
+        return 0
 
-    config = {"size_mib": count * 4 / MiB, "count": count, "iters": iters, "warmup": warmup,
-              "small_iters": small_iters, "nop_iters": nop_iters, "ranks": RANKS,
-              "cpus": os.cpu_count(), "python": platform.python_version(),
-              "numpy": np.__version__, "quick": quick,
-              "busy_cpus_at_start": busy_cpus()}
-    log = sys.stderr if args.json == "-" else sys.stdout
-    print(f"numpy pass ({config['size_mib']:g} MiB)...", file=log, flush=True)
-    npy = run_numpy(count, iters, warmup)
-    print("aaccl, 4 in-process ranks...", file=log, flush=True)
-    aac = run_aaccl(count, iters, warmup, small_iters, nop_iters)
-    print("mpi4py over MPICH, 4 processes...", file=log, flush=True)
-    mpi = run_mpi(args, count, iters, warmup, small_iters)
-    results = {"config": config, "aaccl": aac, "mpi": mpi, "numpy": npy, "targets": TARGETS}
-    verdicts = evaluate(results)
-    results["verdicts"] = verdicts
-    report(results, verdicts, args.json, print_table)
-    missed = any(row["pass"] is False and row["binding"] for row in verdicts)
+    if args.from_json:
+        with open(args.from_json) as f:
+            results = json.load(f)
+        if args.label:
+            results["config"]["label"] = args.label
+        verdicts = evaluate(results)
+        results["timing_checks"] = timing_checks(results)
+        print_table(results, verdicts)
+        missed = any(row["pass"] is False and row["binding"] for row in verdicts)
+    else:
+        source = source_of_aaccl()
+        config = {"size_mib": count * 4 / MiB, "count": count, "iters": iters, "warmup": warmup,
+                  "small_iters": small_iters, "nop_iters": nop_iters, "ranks": RANKS,
+                  "cpus": os.cpu_count(), "python": platform.python_version(),
+                  "numpy": np.__version__, "quick": quick,
+                  "label": args.label or source["commit"], "aaccl_source": source,
+                  "busy_cpus_at_start": busy_cpus()}
+        log = sys.stderr if args.json == "-" else sys.stdout
+        print(f"numpy pass ({config['size_mib']:g} MiB)...", file=log, flush=True)
+        npy = run_numpy(count, iters, warmup)
+        print("aaccl, 4 in-process ranks...", file=log, flush=True)
+        aac = run_aaccl(count, iters, warmup, small_iters, nop_iters)
+        print("mpi4py over MPICH, 4 processes...", file=log, flush=True)
+        mpi = run_mpi(args, count, iters, warmup, small_iters)
+        results = {"config": config, "aaccl": aac, "mpi": mpi, "numpy": npy,
+                   "targets": TARGETS}
+        if args.sweep:
+            print(f"(d) allreduce over N = {sweep_ranks} in-process ranks...", file=log,
+                  flush=True)
+            points = scaling.run_sweep(sweep_ranks, args.sweep_counts, sweep_iters, budget, log)
+            results["sweep"] = {"ranks": sweep_ranks, "counts": args.sweep_counts,
+                                "iters": sweep_iters, "budget_s": budget, "points": points}
+            mpiexec, why = find_mpiexec(args.no_mpi)
+            if mpiexec is None:
+                results["sweep"]["mpi"] = {"error": why}
+            elif mpi_ranks:
+                print(f"(d) MPICH Allreduce over N = {mpi_ranks} processes...", file=log,
+                      flush=True)
+                results["sweep"]["mpi"] = scaling.run_mpi_sweep(
+                    mpiexec, script, mpi_ranks, args.sweep_counts, sweep_iters, budget,
+                    args.mpi_timeout, log)
+        if not args.no_outstanding and ks:
+            print(f"(e) K = {ks} outstanding send/recv pairs, 2 ranks...", file=log, flush=True)
+            results["outstanding"] = scaling.run_outstanding(
+                script, ks, max(1, args.outstanding_reps), budget, out_timeout, log)
+        verdicts = evaluate(results)
+        results["verdicts"] = verdicts
+        results["timing_checks"] = timing_checks(results)
+        report(results, verdicts, args.json, print_table)
+        missed = any(row["pass"] is False and row["binding"] for row in verdicts)
+    if args.plot:
+        runs = [(results["config"].get("label") or "", results)]
+        for path in args.plot_with:
+            with open(path) as f:
+                earlier = json.load(f)
+            runs.append((earlier["config"].get("label") or os.path.basename(path), earlier))
+        scaling.plot_sweep(runs, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
     return 1 if args.check and missed else 0
 
 
