@@ -9,7 +9,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from .. import _trace
-from .._errors import DependencyError
+from .._errors import ACCLError, DependencyError
 from ..devices import DeviceCall
 from ..driver import Driver
 from . import _bridge
@@ -50,8 +50,8 @@ class Call:
         self._retrieved = False
         self._deps = deps
 
-        def completed(dev: DeviceCall) -> None:  # on the device's thread
-            error = Driver.error(dev, name)
+        def outcome(dev: DeviceCall) -> BaseException | None:
+            error: BaseException | None = Driver.error(dev, name)
             if error is None and finish is not None:
                 try:
                     finish()
@@ -65,6 +65,14 @@ class Call:
                     error.__cause__ = _root_cause(failed[0]._error)
             else:
                 self._deps = ()  # keep a chain's history only where it explains a failure
+            return error
+
+        def completed(dev: DeviceCall) -> None:  # on the device's thread
+            try:
+                error = outcome(dev)
+            except Exception as exc:  # fail this call, never the device's thread (nor hang)
+                error = ACCLError(f"{name} failed inside aaccl: {type(exc).__name__}")
+                error.__cause__ = exc
             self._buffers = ()
             with self._lock:
                 self._error, self._finished = error, True
