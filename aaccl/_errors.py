@@ -23,7 +23,8 @@ class CCLOError(ACCLError):
 
 
 class DependencyError(ACCLError):
-    """The call never ran because a call in its `waitfor` did not succeed."""
+    """The call never ran because a call it waited for did not succeed: one in its
+    `waitfor`, or an earlier unfinished call on the same device memory."""
 
 
 class DeviceError(ACCLError):

@@ -72,7 +72,9 @@ class ACCL:
 
     Every operation validates its arguments, syncs host data to the device (unless
     `from_fpga`), submits one call and returns its `Call` at once; the result is
-    synced back to host memory (unless `to_fpga`) before the call completes.
+    synced back to host memory (unless `to_fpga`) before the call completes. A call
+    waits for the earlier unfinished calls whose device memory it shares, one of them
+    writing, so results are those of running the calls one at a time, in order.
     Leaving `async with accl:` (or `aclose()`) waits for outstanding calls and
     releases the device.
     """
