@@ -506,6 +506,7 @@ def plot_sweep(runs: Sequence[tuple[str, dict[str, Any]]], out: str | os.PathLik
 
     colours = plt.get_cmap("tab10")
     fig, ax = plt.subplots(figsize=(8, 5.5))
+    legend: list[tuple[tuple[int, int, int], Any, str]] = []  # (order, handle, label)
     drawn_any = False
     for r, (label, results) in enumerate(runs):
         sweep = results.get("sweep") or {}
@@ -522,22 +523,24 @@ def plot_sweep(runs: Sequence[tuple[str, dict[str, Any]]], out: str | os.PathLik
             err = np.array([[p["median"] - p["p10"] for p in pts],
                             [p["p90"] - p["median"] for p in pts]]) * 1e3
             name = size_name(4 * count)
-            ax.errorbar(ns, med, yerr=err, color=colour, alpha=alpha, marker="o", capsize=3,
-                        linestyle="-" if r == 0 else "--",
-                        label=f"aaccl {name}" + (f" ({label})" if label else ""))
+            handle = ax.errorbar(ns, med, yerr=err, color=colour, alpha=alpha, marker="o",
+                                 capsize=3, linestyle="-" if r == 0 else "--")
+            legend.append(((0 if r == 0 else 3, r, i), handle,
+                           f"aaccl {name}" + (f" ({label})" if label else "")))
             ref = REFERENCE_RANKS if REFERENCE_RANKS in ns else ns[0]
             t_ref = med[ns.index(ref)]
             grid = np.array([n for n in ns if n >= ref], dtype=float)
             if r == 0 and len(grid) > 1:
-                ax.plot(grid, t_ref * grid * np.log2(grid) / nlogn(ref), color=colour,
-                        linestyle=(0, (2, 2)), linewidth=1,
-                        label=f"N log2 N through aaccl {name} at N={ref}")
+                handle, = ax.plot(grid, t_ref * grid * np.log2(grid) / nlogn(ref),
+                                  color=colour, linestyle=(0, (2, 2)), linewidth=1)
+                legend.append(((1, r, i), handle, f"N log2 N through aaccl {name} at N={ref}"))
             mpi = sorted((p for p in sweep.get("mpi", {}).get("points", [])
                           if p["count"] == count and "median" in p), key=lambda p: p["ranks"])
             if mpi and r == 0:
-                ax.plot([p["ranks"] for p in mpi], [p["median"] * 1e3 for p in mpi],
-                        color=colour, marker="s", markersize=8, linestyle=":",
-                        markerfacecolor="white", label=f"MPICH {name} (processes)")
+                handle, = ax.plot([p["ranks"] for p in mpi], [p["median"] * 1e3 for p in mpi],
+                                  color=colour, marker="s", markersize=8, linestyle=":",
+                                  markerfacecolor="white")
+                legend.append(((2, r, i), handle, f"MPICH {name}, processes"))
     if not drawn_any:
         plt.close(fig)
         raise ValueError("no sweep points to draw (was the sweep run?)")
@@ -550,7 +553,9 @@ def plot_sweep(runs: Sequence[tuple[str, dict[str, Any]]], out: str | os.PathLik
     first = runs[0][1]["config"]
     ax.set_title(f"allreduce over N in-process ranks, device-resident buffers "
                  f"({first['cpus']} CPUs); bars: p10-p90", fontsize=10)
-    ax.legend(fontsize=8, loc="upper left")
+    legend.sort(key=lambda entry: entry[0])
+    ax.legend([h for _, h, _ in legend], [text for _, _, text in legend], fontsize=8,
+              loc="upper left")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
