@@ -374,8 +374,8 @@ def print_table(results: dict[str, Any], verdicts: list[dict[str, Any]]) -> None
 
 
 def source_of_aaccl() -> dict[str, Any]:
-    """Where the aaccl this run imports lives, and its git commit if it is a checkout
-    ("+dirty" when aaccl/ has uncommitted changes)."""
+    """Where the aaccl this run imports lives and, if it is a git checkout, the last
+    commit that changed aaccl/ ("+dirty" when aaccl/ has uncommitted changes)."""
     import importlib.util
 
     spec = importlib.util.find_spec("aaccl")
@@ -387,7 +387,7 @@ def source_of_aaccl() -> dict[str, Any]:
         def git(*argv: str) -> str:
             return subprocess.run(["git", "-C", path, *argv], capture_output=True, text=True,
                                   timeout=10, check=True).stdout.strip()
-        commit = git("rev-parse", "--short", "HEAD")
+        commit = git("log", "-1", "--format=%h", "--", ".")
         dirty = bool(git("status", "--porcelain", "--", "."))
         info["commit"] = commit + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
