@@ -1,6 +1,6 @@
 """In-process performance targets of DESIGN.md, measured side by side in one run.
 
-    python benchmarks/bench_inprocess.py            # full run: 64 MiB, the sweeps, 1-3 min
+    python benchmarks/bench_inprocess.py            # full run: 64 MiB, the sweeps, 30 s-1 min
     python benchmarks/bench_inprocess.py --quick    # small sizes, a CI smoke test
     python benchmarks/bench_inprocess.py --json -   # machine-readable results on stdout
     python benchmarks/bench_inprocess.py --plot sweep.png   # and draw the N sweep
