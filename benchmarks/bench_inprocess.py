@@ -465,6 +465,8 @@ def main() -> int:
     nop_iters = args.nop_iters or (500 if quick else 5000)
     warmup = max(1, args.warmup)
     sweep_ranks = args.sweep_ranks or ([2, 4, 8, 16] if quick else list(scaling.SWEEP_RANKS))
+    if min(sweep_ranks) < 2:
+        parser.error("--sweep-ranks: every N must be at least 2 (N log2 N is 0 at N=1)")
     sweep_iters = max(1, args.sweep_iters or (30 if quick else 300))
     budget = args.sweep_budget if args.sweep_budget is not None else (0.5 if quick else 3.0)
     mpi_ranks = args.sweep_mpi_ranks or ([2] if quick else list(scaling.SWEEP_MPI_RANKS))
