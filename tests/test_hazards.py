@@ -384,6 +384,28 @@ async def test_host_data_sent_twice_while_the_first_send_waits() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_large_host_buffer_changed_in_its_last_byte_is_still_told_apart() -> None:
+    n = 100_000  # compared chunk by chunk
+    async with aaccl.open_world(1) as (accl,):
+        buf = filled(accl, np.arange(n, dtype=np.float32), on_device=False)
+        outs = [accl.allocate(n, np.float32) for _ in range(3)]
+        opened, held = gate(accl)
+        first = accl.copy(buf, outs[0], n, waitfor=[held])
+        again = accl.copy(buf, outs[1], n)  # the same bytes: no wait
+        with anyio.fail_after(5):
+            await again
+        buf[-1] = -1
+        changed = accl.copy(buf, outs[2], n)
+        await settle()
+        assert not changed.done()
+        opened.set()
+        await changed
+        await first
+        np.testing.assert_array_equal(outs[0], np.arange(n))
+        np.testing.assert_array_equal(outs[2], np.r_[np.arange(n - 1), -1])
+
+
+@pytest.mark.anyio
 async def test_a_failed_earlier_call_on_the_same_buffer_fails_the_later_one() -> None:
     opened = threading.Event()
 
@@ -528,6 +550,18 @@ async def test_on_pynq_a_hazard_is_a_waitfor_handed_to_the_card(
         (fourth,) = fake.runs(Scenario.COPY)[3:]
         synced = fake.events.index(("sync_to_device", mid.device_address, 4 * n))
         assert fake.events.index(("ended", second)) < synced < fake.events.index(("began", fourth))
+
+        held.clear()  # readers of host data: the card's memory is read to compare
+        reader = accl.copy(src, dst, n)
+        again = accl.copy(src, other, n)
+        src[0] = -1
+        changed = accl.copy(src, mid, n)
+        assert [run.waitfor for run in fake.runs(Scenario.COPY)[4:]] == [(), ()]
+        held.set()
+        for call in (changed, again, reader):
+            await call
+        np.testing.assert_array_equal(dst, np.arange(n))
+        np.testing.assert_array_equal(mid, np.r_[-1, 1:n])
     finally:
         await accl.aclose()
         fake.shutdown()

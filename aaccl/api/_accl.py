@@ -48,6 +48,10 @@ def _write_later(device: Device, address: int, data: np.ndarray) -> Callable[[],
     return lambda: device.write(address, data)
 
 
+_CHUNK = 1 << 16
+"""Bytes compared at a time by `_holds`: small temporaries for large buffers."""
+
+
 def _holds(device: Device, address: int, data: np.ndarray) -> bool:
     """Whether device memory at `address` holds `data`'s bytes already, so that syncing
     them in would change nothing an earlier call reads there."""
@@ -58,13 +62,10 @@ def _holds(device: Device, address: int, data: np.ndarray) -> bool:
     else:
         have = np.empty_like(want)
         device.read(address, have)
-    if want.size <= _SMALL:
+    if want.size <= _CHUNK:
         return want.tobytes() == have.tobytes()
-    return all(np.array_equal(want[i:i + _SMALL], have[i:i + _SMALL])  # bounded temporaries
-               for i in range(0, want.size, _SMALL))
-
-
-_SMALL = 1 << 16
+    return all(np.array_equal(want[i:i + _CHUNK], have[i:i + _CHUNK])
+               for i in range(0, want.size, _CHUNK))
 
 
 class ACCL:
