@@ -190,13 +190,14 @@ class ACCL:
                 reads: tuple[Span, ...] = (), writes: tuple[Span, ...] = (),
                 **call: Any) -> Call:
         """Sync inputs in, start the call after `waitfor` and after the earlier calls
-        its device memory (`reads`, `writes`) conflicts with, and track it."""
+        its device memory (`reads`, `writes`; `sync_in` lies within `reads`) conflicts
+        with, and track it."""
         self._check_open()
         deps = check.waitfor(waitfor, self)
         submitted = time.perf_counter_ns() if _trace.active() is not None else 0
         waits = [d._device for d in deps]
         hazards: tuple[Call, ...] = ()
-        if self._hazards:  # memory in use by unfinished calls: maybe ours
+        if self._hazards and (reads or writes):  # memory in use: maybe ours
             hazards, synced = self._order(deps, waits, reads, writes, sync_in)
             writes += synced
         else:
