@@ -713,3 +713,37 @@ def test_random_programs_give_the_in_order_result(backend: str, program: Program
 def test_random_programs_give_the_in_order_result_at_length(backend: str,
                                                             program: Program) -> None:
     check_program(program, backend)
+
+
+@pytest.mark.anyio
+async def test_on_pynq_an_overwrite_waits_for_the_earlier_result_to_reach_the_host(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """ERT would start the second copy as soon as the first ends on the card, before
+    the host synced the first one's result out: the second waits on the host."""
+    from aaccl._constants import Scenario
+    from aaccl.api._accl import ACCL
+    from aaccl.api._world import _ranks
+    from aaccl.devices._pynq import PynqDevice
+    from aaccl.driver import Driver
+    from fakes.fake_pynq import Fake
+
+    fake = Fake().install(monkeypatch)
+    device = PynqDevice("/opt/accl/ccl_offload.xclbin")
+    accl = await ACCL.open(Driver(device, 0, _ranks(1, 1024), nbufs=4, bufsize=1024, timeout=5))
+    try:
+        n = 1000
+        one, two, mid = (accl.allocate(n, np.float32) for _ in range(3))
+        one[:], two[:] = 1, 2
+        for _ in range(5):
+            held = fake.hold(Scenario.COPY)
+            first = accl.copy(one, mid, n)  # syncs mid to the host once it ran
+            second = accl.copy(two, mid, n, to_fpga=True)  # overwrites mid on the card
+            held.set()
+            await first
+            np.testing.assert_array_equal(mid, 1)
+            await second
+            fake.gates.clear()
+        assert all(run.waitfor == () for run in fake.runs(Scenario.COPY))
+    finally:
+        await accl.aclose()
+        fake.shutdown()

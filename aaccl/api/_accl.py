@@ -43,6 +43,26 @@ def _spans(*accesses: tuple[Buffer | None, int]) -> tuple[Span, ...]:
     return tuple(spans)
 
 
+def _overlap(span: Span, spans: Sequence[Span]) -> bool:
+    return any(span[0] == base and span[1] < end and start < span[2]
+               for base, start, end in spans)
+
+
+def _completion(call: Call) -> DeviceCall:
+    """A device call that completes when `call` has, host sync included (aborted if it
+    failed). A card may start a call chained on another's device call before the host
+    has synced the first one's result out (ERT does): a call that overwrites that
+    memory waits for this instead."""
+    done = DeviceCall(None)
+
+    def finished() -> None:
+        done.complete(aborted=call._error is not None)
+
+    if not call._register(finished):
+        finished()
+    return done
+
+
 def _write_later(device: Device, address: int, data: np.ndarray) -> Callable[[], None]:
     """A host job writing a snapshot of host data to device memory."""
     return lambda: device.write(address, data)
@@ -90,6 +110,7 @@ class ACCL:
         # because of it (for its DependencyError); both guarded by _lock
         self._hazards: Hazards[Call] = Hazards()
         self._hazard_deps: dict[Call, tuple[Call, ...]] = {}
+        self._syncs_out: dict[Call, Span] = {}  # what they sync to the host once run
         self._ncalls = 0
         self._closed = False
 
@@ -208,7 +229,9 @@ class ACCL:
         finish = None if sync_out is None else sync_out.sync_from_device
         return self._track(op, "cclo", device_call, deps, submitted, finish,
                            tuple(b for b in buffers if b is not None),
-                           reads=reads, writes=writes, hazards=hazards)
+                           reads=reads, writes=writes, hazards=hazards,
+                           sync_out=_spans((sync_out, sync_out.size)) if sync_out is not None
+                           else ())
 
     def _order(self, deps: tuple[Call, ...], waits: list[DeviceCall], reads: tuple[Span, ...],
                writes: tuple[Span, ...], sync_in: Sequence[Buffer] = (),
@@ -222,7 +245,9 @@ class ACCL:
         waits for the job. (Where earlier calls only read those bytes and they are
         equal already, as when one buffer is sent again and again, nothing is written
         and nothing waits.) Returns the hazards and the spans such jobs write, which
-        count as the call's writes.
+        count as the call's writes. An earlier call whose result is still to be
+        synced to the host from memory this call writes is waited for whole
+        (`_completion`), not just its run on the device.
         """
         regions = [(region, _spans((region, region.size))) for region in sync_in]
         with self._lock:
@@ -242,14 +267,21 @@ class ACCL:
             waits.append(device.run(job, [c._device for c in users]))
             synced += span
             found += users
-        hazards = tuple(c for c in dict.fromkeys(found) if c not in deps)
-        waits += [c._device for c in hazards]
-        return hazards, tuple(synced)
+        conflicting = dict.fromkeys(found)
+        written = (*writes, *synced)
+        for call in conflicting:
+            out = self._syncs_out.get(call)
+            if out is not None and _overlap(out, written):
+                waits.append(_completion(call))
+            elif call not in deps:
+                waits.append(call._device)
+        return tuple(c for c in conflicting if c not in deps), tuple(synced)
 
     def _track(self, op: str, engine: str, device_call: DeviceCall, deps: tuple[Call, ...],
                submitted: int, finish: Callable[[], None] | None = None,
                buffers: tuple[object, ...] = (), *, reads: tuple[Span, ...] = (),
-               writes: tuple[Span, ...] = (), hazards: tuple[Call, ...] = ()) -> Call:
+               writes: tuple[Span, ...] = (), hazards: tuple[Call, ...] = (),
+               sync_out: tuple[Span, ...] = ()) -> Call:
         """The Call of a submitted device call, kept (with the memory it uses) until
         it completes."""
         self._ncalls += 1
@@ -266,6 +298,8 @@ class ACCL:
                     self._hazards.add(result, reads, writes)
                 if hazards:
                     self._hazard_deps[result] = hazards
+                if sync_out:
+                    self._syncs_out[result] = sync_out[0]
         if finished and hazards:  # failed at once: nobody has seen its error yet
             self._explain(result, hazards)
         return result
@@ -290,6 +324,7 @@ class ACCL:
         with self._lock:
             self._outstanding.discard(call)
             self._hazards.discard(call)
+            self._syncs_out.pop(call, None)
             hazards = self._hazard_deps.pop(call, None)
         if hazards is not None:
             self._explain(call, hazards)
