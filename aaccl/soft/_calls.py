@@ -292,7 +292,8 @@ class RecvCall(SoftCall):
 def _check_streams_and_compression(args: CallArgs) -> None:
     if args.stream_flags:
         raise CallFailed(ErrorCode.COLLECTIVE_NOT_IMPLEMENTED)  # no kernel streams here
-    if args.compression_flags & OPERAND_FLAGS:
+    if args.compression_flags & OPERAND_FLAGS \
+            and args.scenario not in (Scenario.COPY, Scenario.COMBINE):
         # compressed buffers (mixed precision) are modelled for copy and combine only
         raise CallFailed(ErrorCode.COMPRESSION_ERROR)
 
@@ -352,11 +353,7 @@ class ScheduleCall(SoftCall):
             self.prefix = ("coll", comm.key, self.seq)
             if args.scenario in ROOTED and args.root_src_dst >= comm.size:
                 raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
-        if args.stream_flags:
-            raise CallFailed(ErrorCode.COLLECTIVE_NOT_IMPLEMENTED)
-        if args.compression_flags & OPERAND_FLAGS \
-                and args.scenario not in (Scenario.COPY, Scenario.COMBINE):
-            raise CallFailed(ErrorCode.COMPRESSION_ERROR)
+        _check_streams_and_compression(args)
 
     def abandon(self) -> None:
         if getattr(self, "prefix", None) is None:
