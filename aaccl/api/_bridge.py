@@ -1,12 +1,16 @@
 """Wake a task from a device thread, on asyncio or trio, without blocking either side.
 
-A device completes calls on its own threads; the waiting task registers a `wake`
-callback that hands control back to its event loop in a thread-safe way.
+A device completes calls on its own threads or, for the soft CCLO, often on the
+event loop's own thread (a call submitted from a task runs there to its end). The
+waiting task registers a `wake` callback: from another thread it hands control back
+through the loop's thread-safe entry (a wake-up of the loop); on the loop's thread
+it resumes the task directly, which costs no system call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 
 Register = Callable[[Callable[[], None]], bool]
@@ -30,10 +34,14 @@ def _resolve(future: asyncio.Future[None]) -> None:
 
 async def _wait_asyncio(loop: asyncio.AbstractEventLoop, register: Register) -> None:
     future: asyncio.Future[None] = loop.create_future()
+    home = threading.get_ident()
 
     def wake() -> None:
         try:
-            loop.call_soon_threadsafe(_resolve, future)
+            if threading.get_ident() == home:
+                _resolve(future)
+            else:
+                loop.call_soon_threadsafe(_resolve, future)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             pass
 
@@ -46,6 +54,7 @@ async def _wait_trio(register: Register) -> None:
 
     task = trio.lowlevel.current_task()
     token = trio.lowlevel.current_trio_token()
+    home = threading.get_ident()
     waiting = True
 
     def resume() -> None:
@@ -55,6 +64,9 @@ async def _wait_trio(register: Register) -> None:
             trio.lowlevel.reschedule(task)
 
     def wake() -> None:
+        if threading.get_ident() == home:
+            resume()
+            return
         try:
             token.run_sync_soon(resume)
         except trio.RunFinishedError:
