@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -58,34 +59,54 @@ def test_timers_fire_once_cancelled_ones_never_and_the_clock_survives_a_raising_
     engine = Engine("test")
     fired: list[str] = []
     done = threading.Event()
-    now = time.monotonic()
 
     def boom() -> None:
         raise RuntimeError("timer bug")
 
-    engine.post(lambda: engine.call_at(now + 0.01, boom))
+    engine.post(lambda: engine.call_later(0.01, boom))
     cancelled = []
-    engine.post(lambda: cancelled.append(engine.call_at(now + 0.02, lambda: fired.append("no"))))
+    engine.post(lambda: cancelled.append(engine.call_later(0.02, lambda: fired.append("no"))))
     engine.post(lambda: cancelled[0].cancel())
-    engine.post(lambda: engine.call_at(now + 0.05, lambda: (fired.append("yes"), done.set())))
+    engine.post(lambda: engine.call_later(0.05, lambda: (fired.append("yes"), done.set())))
     assert done.wait(5)
     assert fired == ["yes"]
     assert "timer bug" in caplog.text
     engine.close()
 
 
+def test_a_shorter_delay_armed_later_wakes_the_sleeping_clock() -> None:
+    """Deadlines sit in one lane per delay: one armed after a far one, in another
+    lane, must still fire on time (the timer thread sleeps until the far one)."""
+    engine = Engine("test")
+    order: list[str] = []
+    done = threading.Event()
+    engine.post(lambda: engine.call_later(3600, lambda: order.append("far")))
+    for _ in range(100):  # let the timer thread go to sleep until the far deadline
+        if engine._timers.sleeping_until != -math.inf:
+            break
+        time.sleep(0.01)
+    start = time.monotonic()
+    engine.post(lambda: engine.call_later(0.05, lambda: (order.append("near"), done.set())))
+    engine.post(lambda: engine.call_later(0.02, lambda: order.append("nearer")))
+    assert done.wait(5)
+    assert time.monotonic() - start < 2
+    assert order == ["nearer", "near"]
+    engine.close()
+
+
 def test_cancelled_timers_do_not_pile_up() -> None:
     engine = Engine("test")
-    far = time.monotonic() + 3600
 
     def churn() -> None:
+        live = engine.call_later(3600, lambda: None)  # keeps every lane's head alive
         for _ in range(50_000):
-            engine.call_at(far, lambda: None).cancel()
+            engine.call_later(3600, lambda: None).cancel()
+        live.cancel()
 
     engine.post(churn)
-    assert len(engine._timers.heap) < 5_000
+    assert engine._timers.armed < 5_000
     engine.close()
-    assert not engine._timers.heap
+    assert not engine._timers.lanes
 
 
 def test_a_wait_set_before_anyone_waits_keeps_its_value() -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-import time
 from collections.abc import Callable, Generator, Hashable
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +106,9 @@ class SoftCall:
             self.prepare()
         except CallFailed as failed:
             self.failure = failed.code
+        if not waitfor:
+            self.dev.ready(self)
+            return
         pending = [dep for dep in waitfor if not dep.done()]
         if any(dep.failed for dep in waitfor if dep.done()):
             self.abort()
@@ -184,8 +186,7 @@ class SoftCall:
         self.waiting = wait
         wait.waiter = self._wake
         if wait.timeout_code:
-            self.timer = self.dev.engine.call_at(time.monotonic() + self.dev.timeout,
-                                                 self._expire)
+            self.timer = self.dev.engine.call_later(self.dev.timeout, self._expire)
 
     def _wake(self, wait: Wait) -> None:
         self.waiting = None

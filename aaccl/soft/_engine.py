@@ -14,9 +14,8 @@ small pool of workers for large copies and reductions; both end with the engine.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -79,34 +78,54 @@ class Timer:
 
 
 class _Timers:
-    """A heap of deadlines read by the timer thread, written in engine context."""
+    """Deadlines in lanes, one per delay: a lane's deadlines (now + its delay) come
+    in order, so arming is an append and the earliest is a lane's head, with no heap
+    and no lock. Written in engine context; the timer thread only reads lane heads
+    to know how long to sleep, and is woken only when a new deadline comes before
+    the one it sleeps until."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition(threading.Lock())
-        self.heap: list[tuple[float, int, Timer]] = []
-        self.order = itertools.count()
+        self.lanes: dict[float, deque[Timer]] = {}
+        self.armed = 0  # entries in the lanes, cancelled ones included
         self.cancelled = 0
-        self.sleeping_until = float("inf")
+        self.sleeping_until = -math.inf  # -inf: awake, it looks again before sleeping
 
-    def arm(self, deadline: float, fn: Callable[[], None]) -> Timer:
+    def arm(self, delay: float, fn: Callable[[], None]) -> Timer:
+        deadline = time.monotonic() + delay
         timer = Timer(self, deadline, fn)
-        with self.cond:
-            heapq.heappush(self.heap, (deadline, next(self.order), timer))
-            if self.cancelled > 1024 and 2 * self.cancelled > len(self.heap):
-                self.heap = [item for item in self.heap if item[2].fn is not None]
-                heapq.heapify(self.heap)
-                self.cancelled = 0
-            if deadline < self.sleeping_until:
+        lane = self.lanes.get(delay)
+        if lane is None:
+            lane = self.lanes[delay] = deque()
+        lane.append(timer)
+        self.armed += 1
+        if self.cancelled > 1024 and 2 * self.cancelled > self.armed:
+            self._compact()
+        if deadline < self.sleeping_until:
+            with self.cond:
                 self.cond.notify()
         return timer
 
+    def _compact(self) -> None:
+        for delay, lane in list(self.lanes.items()):
+            self.lanes[delay] = deque(t for t in lane if t.fn is not None)
+        self.armed = sum(len(lane) for lane in self.lanes.values())
+        self.cancelled = 0
+
+    def earliest(self) -> float:
+        """The first deadline of any lane (maybe a cancelled one: a harmless early
+        look); any thread."""
+        heads = [lane[0].deadline for lane in list(self.lanes.values()) if lane]
+        return min(heads, default=math.inf)
+
     def due(self, now: float) -> list[Timer]:
-        """Pop every live timer whose deadline has passed."""
+        """Pop every live timer whose deadline has passed, and the cancelled ones
+        ahead of live ones (engine context)."""
         out = []
-        with self.cond:
-            heap = self.heap
-            while heap and (heap[0][2].fn is None or heap[0][0] <= now):
-                timer = heapq.heappop(heap)[2]
+        for lane in self.lanes.values():
+            while lane and (lane[0].fn is None or lane[0].deadline <= now):
+                timer = lane.popleft()
+                self.armed -= 1
                 if timer.fn is None:
                     self.cancelled = max(0, self.cancelled - 1)
                 else:
@@ -114,9 +133,8 @@ class _Timers:
         return out
 
     def clear(self) -> None:
-        with self.cond:
-            self.heap.clear()
-            self.cancelled = 0
+        self.lanes.clear()
+        self.armed = self.cancelled = 0
 
 
 class Engine:
@@ -168,14 +186,14 @@ class Engine:
 
     # -- timers -------------------------------------------------------------------
 
-    def call_at(self, deadline: float, fn: Callable[[], None]) -> Timer:
-        """Run `fn` in engine context once `deadline` (time.monotonic) has passed,
-        unless the returned timer is cancelled first."""
+    def call_later(self, delay: float, fn: Callable[[], None]) -> Timer:
+        """Run `fn` in engine context once `delay` seconds have passed, unless the
+        returned timer is cancelled first (engine context)."""
         if self._timer_thread is None and not self.closed:
             self._timer_thread = threading.Thread(target=self._watch, daemon=True,
                                                   name=f"soft-cclo-timers-{self.name}")
             self._timer_thread.start()
-        return self._timers.arm(deadline, fn)
+        return self._timers.arm(delay, fn)
 
     def _watch(self) -> None:
         timers = self._timers
@@ -183,13 +201,17 @@ class Engine:
             try:
                 with timers.cond:
                     while not self.closed:
-                        live = timers.heap[0][0] if timers.heap else float("inf")
-                        wait = live - time.monotonic()
+                        # say "asleep" before looking: a deadline armed after the
+                        # look then sees it and notifies (once we wait, as we hold
+                        # the lock until then)
+                        timers.sleeping_until = math.inf
+                        first = timers.earliest()
+                        wait = first - time.monotonic()
                         if wait <= 0:
                             break
-                        timers.sleeping_until = live
-                        timers.cond.wait(None if live == float("inf") else wait)
-                    timers.sleeping_until = float("inf")
+                        timers.sleeping_until = first
+                        timers.cond.wait(None if first == math.inf else wait)
+                    timers.sleeping_until = -math.inf
                 if not self.closed:
                     # the expiry runs as an event; wait for it before looking again
                     done = threading.Event()
@@ -249,7 +271,7 @@ class Engine:
 
     def close(self) -> None:
         self.closed = True
-        self._timers.clear()
+        self.post(self._timers.clear)
         with self._timers.cond:
             self._timers.cond.notify_all()
         if self._workers is not None:
