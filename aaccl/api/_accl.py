@@ -224,11 +224,13 @@ class ACCL:
         else:
             for region in sync_in:
                 region.sync_to_device()
-        a0, a1, a2 = (0 if b is None else b.device_address for b in buffers)
-        device_call = self._driver.start(scenario, addrs=(a0, a1, a2), waitfor=waits, **call)
+        b0, b1, b2 = buffers
+        addrs = (0 if b0 is None else b0.device_address, 0 if b1 is None else b1.device_address,
+                 0 if b2 is None else b2.device_address)
+        device_call = self._driver.start(scenario, addrs=addrs, waitfor=waits, **call)
         finish = None if sync_out is None else sync_out.sync_from_device
         return self._track(op, "cclo", device_call, deps, submitted, finish,
-                           tuple(b for b in buffers if b is not None),
+                           tuple([b for b in buffers if b is not None]),
                            reads=reads, writes=writes, hazards=hazards,
                            sync_out=_spans((sync_out, sync_out.size)) if sync_out is not None
                            else ())

@@ -34,7 +34,7 @@ class Call:
     """
 
     __slots__ = ("name", "owner", "_device", "_lock", "_wakers", "_finished", "_error", "_retrieved",
-                 "_deps", "_buffers", "__weakref__")
+                 "_deps", "_buffers", "_finish", "_on_done", "__weakref__")
 
     def __init__(self, name: str, owner: object, device: DeviceCall, deps: tuple[Call, ...],
                  finish: Callable[[], None] | None,
@@ -49,40 +49,41 @@ class Call:
         self._error: BaseException | None = None
         self._retrieved = False
         self._deps = deps
+        self._finish, self._on_done = finish, on_done
+        device.add_done_callback(self._completed)
 
-        def outcome(dev: DeviceCall) -> BaseException | None:
-            error: BaseException | None = Driver.error(dev, name)
-            if error is None and finish is not None:
-                try:
-                    finish()
-                except Exception as exc:  # a host sync failed: the call failed
-                    error = exc
-            if isinstance(error, DependencyError):
-                failed = [d for d in self._deps if d._error is not None]
-                error = DependencyError(f"{name} did not run: {', '.join(d.name for d in failed)} "
-                                        "failed")
-                if failed:  # the root, not the chain: a cause per call would be 20,000 deep
-                    error.__cause__ = _root_cause(failed[0]._error)
-            else:
-                self._deps = ()  # keep a chain's history only where it explains a failure
-            return error
-
-        def completed(dev: DeviceCall) -> None:  # on the device's thread
+    def _outcome(self, dev: DeviceCall) -> BaseException | None:
+        error: BaseException | None = Driver.error(dev, self.name)
+        if error is None and self._finish is not None:
             try:
-                error = outcome(dev)
-            except Exception as exc:  # fail this call, never the device's thread (nor hang)
-                error = ACCLError(f"{name} failed inside aaccl: {type(exc).__name__}")
-                error.__cause__ = exc
-            self._buffers = ()
-            with self._lock:
-                self._error, self._finished = error, True
-                wakers, self._wakers = self._wakers, []
-            if on_done is not None:
-                on_done(self)
-            for wake in wakers:
-                wake()
+                self._finish()
+            except Exception as exc:  # a host sync failed: the call failed
+                error = exc
+        if isinstance(error, DependencyError):
+            failed = [d for d in self._deps if d._error is not None]
+            error = DependencyError(f"{self.name} did not run: "
+                                    f"{', '.join(d.name for d in failed)} failed")
+            if failed:  # the root, not the chain: a cause per call would be 20,000 deep
+                error.__cause__ = _root_cause(failed[0]._error)
+        else:
+            self._deps = ()  # keep a chain's history only where it explains a failure
+        return error
 
-        device.add_done_callback(completed)
+    def _completed(self, dev: DeviceCall) -> None:  # on the device's thread
+        try:
+            error = self._outcome(dev)
+        except Exception as exc:  # fail this call, never the device's thread (nor hang)
+            error = ACCLError(f"{self.name} failed inside aaccl: {type(exc).__name__}")
+            error.__cause__ = exc
+        self._buffers, self._finish = (), None
+        with self._lock:
+            self._error, self._finished = error, True
+            wakers, self._wakers = self._wakers, []
+        on_done, self._on_done = self._on_done, None
+        if on_done is not None:
+            on_done(self)
+        for wake in wakers:
+            wake()
 
     def done(self) -> bool:
         """True once the call has finished, successfully or not."""

@@ -32,6 +32,8 @@ def _cclo_dtypes() -> str:
 
 def _integer(value: Any, name: str) -> int:
     """An integer argument (numpy integers too; bools are not counts or ranks)."""
+    if type(value) is int:  # the common case, without the ABC check's cost
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer, not {type(value).__name__}")
     return int(value)
@@ -61,6 +63,8 @@ def tag(value: Any) -> int:
 
 
 def function(value: Any) -> ReduceFunction:
+    if type(value) is ReduceFunction:
+        return value
     try:
         return ReduceFunction(value)
     except ValueError:
@@ -89,10 +93,11 @@ def buffer(buf: Any, name: str, owner: object, elements: int, cclo: bool = True)
 
 def same_dtype(**buffers: Buffer | None) -> np.dtype:
     dtypes = {name: b.dtype for name, b in buffers.items() if b is not None}
-    if len(set(dtypes.values())) > 1:
+    first, *others = dtypes.values()
+    if any(d != first for d in others):
         listed = ", ".join(f"{n}: {d.name}" for n, d in dtypes.items())
         raise TypeError(f"buffers must share one dtype ({listed})")
-    return next(iter(dtypes.values()))
+    return first
 
 
 def mixed_dtypes(**buffers: Buffer) -> tuple[np.dtype, ...]:
