@@ -85,13 +85,58 @@ def timing_check(what: str, median: float | None, second: float | None, second_n
 # -- allreduce over N in-process ranks ------------------------------------------------------
 
 
-async def _sweep_point(accls: list[Any], count: int, iters: int,
-                       budget: float) -> dict[str, Any]:
-    """Allreduce `count` float32 over every rank of `accls`, device-resident buffers.
-    Warm-up, then timed iterations until `iters` of them or `budget` seconds (but at
-    least MIN_ITERS); then the result is checked on every rank's device memory."""
+class Gate:
+    """Lets `parties` tasks through together, again and again (asyncio.Barrier is
+    3.11+): the ranks' start line for each timed iteration."""
+
+    def __init__(self, parties: int) -> None:
+        self.parties, self.arrived = parties, 0
+        self.open: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def wait(self) -> None:
+        self.arrived += 1
+        if self.arrived < self.parties:
+            await self.open
+            return
+        opened, self.arrived = self.open, 0
+        self.open = asyncio.get_running_loop().create_future()
+        opened.set_result(None)
+
+
+async def allreduce_spans(accls: Sequence[Any], pairs: Sequence[tuple[Any, Any]], count: int,
+                          iters: int, gated: bool = True) -> list[float]:
+    """`iters` allreduces of `count` float32 on device-resident buffers, each rank a
+    task of its own looping over them, as in a program. Gated, the ranks pass a gate
+    together before each iteration (outside the timing, as MPI's ranks meet at a
+    Barrier) and an iteration's span runs from the earliest rank's call to the latest
+    rank's return from its await; ungated they run back to back (the second timing)."""
     from aaccl import ReduceFunction
 
+    size = len(accls)
+    starts = [[0.0] * iters for _ in range(size)]
+    ends = [[0.0] * iters for _ in range(size)]
+    gate = Gate(size)
+
+    async def rank(r: int) -> None:
+        a, (s, d) = accls[r], pairs[r]
+        begin, end = starts[r], ends[r]
+        for i in range(iters):
+            if gated:
+                await gate.wait()
+            begin[i] = time.perf_counter()
+            await a.allreduce(s, d, count, ReduceFunction.SUM, from_fpga=True, to_fpga=True)
+            end[i] = time.perf_counter()
+
+    await asyncio.gather(*(rank(r) for r in range(size)))
+    return [max(e[i] for e in ends) - min(b[i] for b in starts) for i in range(iters)]
+
+
+async def _sweep_point(accls: list[Any], count: int, iters: int,
+                       budget: float) -> dict[str, Any]:
+    """Allreduce `count` float32 over every rank of `accls`, device-resident buffers,
+    timed as (c) is. Warm-up, then timed iterations (in batches) until `iters` of them
+    or `budget` seconds (but at least MIN_ITERS); then the result is checked on every
+    rank's device memory."""
     size = len(accls)
     pairs = [(a.allocate((count,), np.float32), a.allocate((count,), np.float32))
              for a in accls]
@@ -100,25 +145,21 @@ async def _sweep_point(accls: list[Any], count: int, iters: int,
         src.sync_to_device()
         dst.sync_to_device()
 
-    def iteration() -> Any:  # exactly what (c) times: every rank's call, awaited together
-        return asyncio.gather(*(a.allreduce(s, d, count, ReduceFunction.SUM, from_fpga=True,
-                                            to_fpga=True) for a, (s, d) in zip(accls, pairs)))
-
     began, warmup = time.perf_counter(), 0
     while warmup < 2 or (warmup < max(2, iters // 10)
                          and time.perf_counter() - began < budget / 10):
-        await iteration()
+        await allreduce_spans(accls, pairs, count, 1)
         warmup += 1
 
-    loop = asyncio.get_running_loop()
     spans: list[float] = []
-    loop_start, start = loop.time(), time.perf_counter()
+    start = time.perf_counter()
+    batch = max(1, min(10, iters))
     while len(spans) < iters and (len(spans) < MIN_ITERS
                                   or time.perf_counter() - start < budget):
-        t0 = time.perf_counter()
-        await iteration()
-        spans.append(time.perf_counter() - t0)
-    wall = loop.time() - loop_start  # the second timing: the event loop's clock, whole loop
+        spans += await allreduce_spans(accls, pairs, count, min(batch, iters - len(spans)))
+    began = time.perf_counter()  # the second timing: as many, back to back, no gate
+    await allreduce_spans(accls, pairs, count, len(spans), gated=False)
+    back_to_back = (time.perf_counter() - began) / len(spans)
 
     expected = size * (size + 1) / 2
     correct = True
@@ -128,7 +169,7 @@ async def _sweep_point(accls: list[Any], count: int, iters: int,
         correct = correct and bool(np.all(dst == expected))
     return {"ranks": size, "count": count, "bytes": 4 * count, **summarize(spans),
             "warmup": warmup, "stopped_by": "iterations" if len(spans) >= iters else "budget",
-            "back_to_back_s": wall / len(spans), "correct": correct}
+            "back_to_back_s": back_to_back, "correct": correct}
 
 
 async def _sweep(ranks: Sequence[int], counts: Sequence[int], iters: int, budget: float,
