@@ -13,7 +13,7 @@ from ._constants import (
     ReduceFunction,
     StreamFlags,
 )
-from ._errors import (ACCLError, CCLOError, DependencyError, DeviceError, DeviceStuck,
+from ._errors import (Aborted, ACCLError, CCLOError, DependencyError, DeviceError, DeviceStuck,
                       KernelError)
 from ._trace import Trace, tracing
 from .api import ACCL, Buffer, Call, Kernel, mpi_launched, open_world, run
@@ -21,7 +21,7 @@ from .api import ACCL, Buffer, Call, Kernel, mpi_launched, open_world, run
 __version__ = "0.1.0"
 
 __all__ = [
-    "ACCL", "ACCLError", "Buffer", "CCLOError", "Call", "CompressionFlags", "DependencyError",
+    "ACCL", "ACCLError", "Aborted", "Buffer", "CCLOError", "Call", "CompressionFlags", "DependencyError",
     "DeviceError", "DeviceStuck", "ErrorCode", "GLOBAL_COMM", "Kernel", "KernelError",
     "ReduceFunction", "StreamFlags", "TAG_ANY", "mpi_launched", "open_world", "run", "Trace",
     "tracing",

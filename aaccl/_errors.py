@@ -10,16 +10,25 @@ class ACCLError(Exception):
 
 
 class CCLOError(ACCLError):
-    """The CCLO ran the call and returned a non-zero return code."""
+    """The CCLO ran the call and returned a non-zero return code (`code`, ACCL's
+    bits). `detail` says what happened where the device knows it (the soft CCLO
+    does): which peer it waited for and how long, what the peer called instead."""
 
-    def __init__(self, operation: str, code: int) -> None:
+    def __init__(self, operation: str, code: int, detail: str | None = None) -> None:
         self.operation = operation
         self.code = ErrorCode(code)
+        self.detail = detail
         names = ", ".join(self.code.names()) or "no error bits"
-        super().__init__(f"{operation} failed on the CCLO: {names} (retcode {int(code):#x})")
+        message = f"{operation} failed on the CCLO: {names} (retcode {int(code):#x})"
+        super().__init__(message if detail is None else f"{message}: {detail}")
 
-    def __reduce__(self):  # keeps the two arguments across pickling (e.g. to another process)
-        return type(self), (self.operation, int(self.code))
+    def __reduce__(self):  # keeps the arguments across pickling (e.g. to another process)
+        return type(self), (self.operation, int(self.code), self.detail)
+
+
+class Aborted(ACCLError):
+    """The call was aborted before it could finish: its world was cancelled or
+    closed, or a rank's program raised. The message names the cause."""
 
 
 class DependencyError(ACCLError):
@@ -43,5 +52,5 @@ class DeviceStuck(DeviceError):
 
 
 
-for _error in (ACCLError, CCLOError, DependencyError, DeviceError, DeviceStuck, KernelError):
+for _error in (ACCLError, Aborted, CCLOError, DependencyError, DeviceError, DeviceStuck, KernelError):
     _error.__module__ = "aaccl"  # tracebacks name the public path

@@ -157,6 +157,14 @@ class ACCL:
                     self._outstanding.discard(pending)
             await anyio.to_thread.run_sync(self._driver.close)
 
+    def _abort(self, reason: str) -> None:
+        """End every outstanding call of this rank at once with `Aborted(reason)`,
+        where the device can (the soft CCLO); a card's running call ends in its own
+        time. The rank stays open."""
+        abort = getattr(self._driver.device, "abort", None)
+        if abort is not None:
+            abort(reason)
+
     def _close_blocking(self) -> None:
         """aclose for a thread without an event loop (aaccl.compat)."""
         if self._closed:

@@ -6,6 +6,7 @@ process under `mpiexec` (the MPI fabric); the same program runs either way.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import signal
@@ -19,7 +20,7 @@ from typing import Any, TypeVar
 import anyio
 
 from .. import _exchmem as xm
-from .._errors import ACCLError
+from .._errors import Aborted, ACCLError
 from ..devices import Device
 from ..devices._emulator import DEFAULT_PORT, EAGER_ONLY, EmulatorDevice
 from ..driver import Driver
@@ -27,7 +28,7 @@ from ..soft import InProcessFabric, SoftDevice
 from ._accl import ACCL
 
 if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup
+    from exceptiongroup import BaseExceptionGroup, ExceptionGroup
 
 T = TypeVar("T")
 DEVICES = ("soft", "emulator", "xrt", "pynq")
@@ -143,6 +144,11 @@ async def open_world(world_size: int | None = None, *, device: str = "soft",
             dev = SoftDevice(rank, inprocess.port(rank), in_order=in_order)
             accls.append(await _open(dev, rank, ranks, nbufs, bufsize, timeout))
         yield accls
+    except BaseException as exc:  # cancelled, interrupted, or a rank raised: nobody
+        reason = _why(exc)        # will await what is outstanding, end it now
+        for accl in accls:
+            accl._abort(reason)
+        raise
     finally:
         with anyio.CancelScope(shield=True):
             for accl in accls:
@@ -211,6 +217,11 @@ async def _device_world(world_size: int | None, make: Callable[[int], Device], n
         if failed:  # one clear error, not a group of the same one per rank
             raise failed[min(failed)]
         yield [opened[rank] for rank in mine]
+    except BaseException as exc:
+        reason = _why(exc)
+        for accl in opened.values():
+            accl._abort(reason)
+        raise
     finally:
         with anyio.CancelScope(shield=True):
             for accl in opened.values():
@@ -257,6 +268,9 @@ async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: 
         accl = await _open(dev, fabric.rank, _ranks(size, bufsize), nbufs, bufsize, timeout)
         try:
             yield [accl]
+        except BaseException as exc:
+            accl._abort(_why(exc))
+            raise
         finally:
             with anyio.CancelScope(shield=True):
                 await accl.aclose()
@@ -272,17 +286,29 @@ def run(main: Callable[[ACCL], Awaitable[T]], world_size: int | None = None, *,
     Outside mpiexec, the ranks are tasks of one event loop in this process. Under
     mpiexec, this process runs its own rank, and every process gets the list of all
     ranks' results. `backend` is "asyncio" or "trio"; `options` go to `open_world`.
-    If ranks fail, the others are cancelled; a single failure is raised as itself,
-    several as an exception group.
+    If a rank raises, every outstanding call of every rank is aborted at once
+    (`Aborted`, naming the rank and its error) and the other ranks are cancelled;
+    `run` raises the failing rank's exception. Several ranks failing with different
+    errors raise an ExceptionGroup of their errors, in rank order; the same error on
+    every rank (a bad argument all of them passed) is raised once, as itself.
     """
+    errors: dict[int, BaseException] = {}
 
     async def world() -> list[T]:
         results: dict[int, Any] = {}
 
-        async def rank(accl: ACCL) -> None:
-            results[accl.rank] = await main(accl)
-
         async with open_world(world_size, **options) as accls:
+            async def rank(accl: ACCL) -> None:
+                try:
+                    results[accl.rank] = await main(accl)
+                except Exception as exc:
+                    errors[accl.rank] = exc
+                    if not isinstance(exc, Aborted):
+                        reason = f"rank {accl.rank} raised {type(exc).__name__}: {exc}"
+                        for each in accls:
+                            each._abort(reason)
+                    raise
+
             async with anyio.create_task_group() as tasks:
                 for accl in accls:
                     tasks.start_soon(rank, accl)
@@ -294,9 +320,48 @@ def run(main: Callable[[ACCL], Awaitable[T]], world_size: int | None = None, *,
     try:
         return anyio.run(world, backend=backend)
     except BaseExceptionGroup as group:
+        if errors:
+            raise _first_failure(errors) from None
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
         raise
+
+
+def _why(exc: BaseException) -> str:
+    """Why a world ends early, for the `Aborted` errors of its outstanding calls."""
+    if isinstance(exc, BaseExceptionGroup):
+        leaves = [e for e in exc.exceptions if not isinstance(e, _cancelled())]
+        return _why(leaves[0] if leaves else exc.exceptions[0])
+    if isinstance(exc, KeyboardInterrupt):
+        return "the program was interrupted (KeyboardInterrupt)"
+    if isinstance(exc, _cancelled()):
+        return "its world was cancelled"
+    if isinstance(exc, ACCLError):
+        return f"the world closed after an error: {exc}"
+    return f"the world closed after {type(exc).__name__}: {exc}"
+
+
+def _cancelled() -> tuple[type[BaseException], ...]:
+    """The cancellation exceptions of both backends (without importing trio)."""
+    kinds: list[type[BaseException]] = [asyncio.CancelledError]
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        kinds.append(trio.Cancelled)
+    return tuple(kinds)
+
+
+def _first_failure(errors: dict[int, BaseException]) -> BaseException:
+    """What `run` raises when ranks fail: the ranks' own errors, not the `Aborted`
+    they caused elsewhere; one error as itself (also when every rank raised the
+    same one, as when all reject the same argument), several as a group."""
+    own = {r: e for r, e in errors.items() if not isinstance(e, Aborted)} or errors
+    first = own[min(own)]
+    if all(type(e) is type(first) and str(e) == str(first) for e in own.values()):
+        return first
+    group = BaseExceptionGroup if any(not isinstance(e, Exception) for e in own.values()) \
+        else ExceptionGroup
+    return group(f"{len(own)} ranks failed (ranks {', '.join(map(str, sorted(own)))})",
+                 [own[r] for r in sorted(own)])
 
 
 def _gather_results(mine: Any, timeout: float) -> list[Any]:

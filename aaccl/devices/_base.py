@@ -41,7 +41,7 @@ class DeviceCall:
     """
 
     __slots__ = ("args", "_lock", "_callbacks", "_event", "retcode", "aborted", "error",
-                 "started")
+                 "started", "detail")
 
     def __init__(self, args: CallArgs | None) -> None:
         self.args = args
@@ -52,6 +52,7 @@ class DeviceCall:
         self.aborted = False  # a dependency failed, so the call never ran
         self.error: Exception | None = None  # the device could not run it, or host work raised
         self.started = 0  # perf_counter_ns when the device began running it (0: not yet)
+        self.detail: str | None = None  # what went wrong, in words, where the device knows
 
     def done(self) -> bool:
         return self._callbacks is None
@@ -83,12 +84,13 @@ class DeviceCall:
         return event.wait(timeout)
 
     def complete(self, retcode: int = 0, aborted: bool = False,
-                 error: Exception | None = None) -> None:
+                 error: Exception | None = None, detail: str | None = None) -> None:
         with self._lock:
             callbacks, self._callbacks = self._callbacks, None
             if callbacks is None:
                 raise RuntimeError("device call completed twice")
             self.retcode, self.aborted, self.error = retcode, aborted, error
+            self.detail = detail
             event = self._event
         if event is not None:
             event.set()

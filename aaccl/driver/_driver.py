@@ -21,7 +21,7 @@ from .._constants import (
     ConfigFunction,
     Scenario,
 )
-from .._errors import ACCLError, CCLOError, DependencyError, KernelError
+from .._errors import Aborted, ACCLError, CCLOError, DependencyError, KernelError
 from ..devices import CallArgs, Device, DeviceCall
 
 OperandDtypes = tuple[np.dtype | None, np.dtype | None, np.dtype | None]
@@ -212,13 +212,15 @@ class Driver:
             error = KernelError(f"{operation} raised {type(call.error).__name__}: {call.error}")
             error.__cause__ = call.error
             return error
+        if isinstance(call.error, Aborted):
+            return Aborted(f"{operation} was aborted: {call.error}")
         if call.error is not None:  # a fresh exception of the device's kind, per call
             kind = type(call.error) if isinstance(call.error, ACCLError) else ACCLError
             return kind(f"{operation} could not run: {call.error}")
         if call.aborted:
             return DependencyError(f"{operation} did not run: a call it waits for failed")
         if call.retcode:
-            return CCLOError(operation, call.retcode)
+            return CCLOError(operation, call.retcode, call.detail)
         return None
 
     def close(self) -> None:

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _exchmem as xm
-from .._constants import ErrorCode, Scenario
+from .._constants import TAG_ANY, ErrorCode, ReduceFunction, Scenario
+from .._errors import Aborted
 from ..devices import CallArgs, DeviceCall
 from ._datapath import OPERAND_FLAGS, Datapath
 from ._engine import Timer, Wait
@@ -56,9 +57,35 @@ INBOUND_SEQ, OUTBOUND_SEQ = 2, 3
 
 
 class CallFailed(Exception):
-    def __init__(self, code: ErrorCode | int) -> None:
+    """A call fails with ACCL's retcode `code`; `detail` says why, in words."""
+
+    def __init__(self, code: ErrorCode | int, detail: str | None = None) -> None:
         super().__init__(code)
         self.code = int(code)
+        self.detail = detail
+
+
+def _describe(args: CallArgs, comm: Comm | None = None) -> str:
+    """A call as a user wrote it, from its CCLO arguments: "bcast(count=64, root=0)"."""
+    scenario = Scenario(args.scenario)
+    parts = [f"count={args.count}"]
+    if scenario in ROOTED:
+        parts.append(f"root={args.root_src_dst}")
+    elif scenario == Scenario.SEND:
+        parts.append(f"dst={args.root_src_dst}, tag={args.tag}")
+    elif scenario == Scenario.RECV:
+        parts.append(f"src={args.root_src_dst}, tag={args.tag}")
+    if scenario in (Scenario.REDUCE, Scenario.ALLREDUCE, Scenario.REDUCE_SCATTER,
+                    Scenario.COMBINE):
+        parts.append(_function_name(args.function))
+    return f"{scenario.name.lower()}({', '.join(parts)})"
+
+
+def _function_name(function: int) -> str:
+    try:
+        return ReduceFunction(function).name
+    except ValueError:
+        return f"function {function}"
 
 
 class State(enum.Enum):
@@ -87,7 +114,7 @@ class SoftCall:
     """One call on one soft CCLO. Subclasses say how it is admitted and what it runs."""
 
     __slots__ = ("dev", "args", "handle", "state", "failure", "deps_left", "body", "waiting",
-                 "timer")
+                 "timer", "aborting")
 
     def __init__(self, dev: SoftDevice, args: CallArgs, handle: DeviceCall) -> None:
         self.dev, self.args, self.handle = dev, args, handle
@@ -97,6 +124,7 @@ class SoftCall:
         self.body: Body | None = None
         self.waiting: Wait | None = None
         self.timer: Timer | None = None
+        self.aborting: Aborted | None = None  # set by `abort_now`: how the call ends
 
     # -- submitted ------------------------------------------------------------------
 
@@ -136,10 +164,42 @@ class SoftCall:
             self.dev.ready(self)
 
     def abort(self) -> None:
-        """A dependency failed (or the device closed): the call never runs."""
+        """A dependency failed: the call never runs."""
         self.abandon()
         self.state = State.DONE
-        self.dev.finished(self, aborted=True)
+        self.dev.finished(self, aborted=True, error=self.aborting)
+
+    def abort_now(self, error: Aborted) -> None:
+        """End the call at once with `error` (its world is cancelled or closed):
+        before it runs, or by failing what it waits for. A call whose payload a peer
+        reads right now, or whose data job runs, ends as soon as that is over."""
+        if self.state is State.DONE or self.aborting is not None:
+            return
+        self.aborting = error
+        if self.state is State.SUBMITTED:
+            self.abort()
+            return
+        wait = self.waiting
+        if wait is not None and wait.expire():
+            wait.waiter, self.waiting = None, None
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+            self.resume(None, CallFailed(ErrorCode.RECEIVE_TIMEOUT_ERROR))
+
+    def describe(self) -> str:
+        return _describe(self.args)
+
+    def waiting_for(self, wait: Wait) -> str:
+        """What the call waits for, in words, for a timeout's message."""
+        peers = self.peers_waited(wait)
+        if not peers:
+            return "its peers"
+        return f"rank{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))}"
+
+    def peers_waited(self, wait: Wait) -> list[int]:
+        """The sessions (global ranks) a wait depends on, where known."""
+        return []
 
     def abandon(self) -> None:
         """Give back the call's place in the message order (it will never run)."""
@@ -173,7 +233,7 @@ class SoftCall:
                 self.finish(0)
                 return
             except CallFailed as failed:
-                self.finish(failed.code)
+                self.finish(failed.code, failed.detail)
                 return
             except Exception:  # a bug in the model fails this call, and nothing else
                 log.exception("soft CCLO %d: internal error in %s", self.dev.session,
@@ -200,15 +260,29 @@ class SoftCall:
         wait, self.timer = self.waiting, None
         if wait is None:
             return
+        detail = self._timeout_detail(wait)  # before expiring changes what it waits for
         if wait.expire():
             wait.waiter, self.waiting = None, None
-            self.resume(None, CallFailed(wait.timeout_code))
+            self.resume(None, CallFailed(wait.timeout_code, detail))
         # else: a peer is reading our data right now; it finishes without a deadline
 
-    def finish(self, retcode: int) -> None:
+    def _timeout_detail(self, wait: Wait) -> str:
+        detail = f"waited {self.dev.timeout:g} s for {self.waiting_for(wait)}"
+        activity = getattr(self.dev.port, "activity", None)
+        peers = self.peers_waited(wait)
+        if activity is not None and len(peers) == 1:
+            seen = activity(peers[0])
+            if seen is not None:
+                detail += f"; rank {peers[0]} {seen}"
+        return detail
+
+    def finish(self, retcode: int, detail: str | None = None) -> None:
         self.state = State.DONE
         self.body = None
-        self.dev.finished(self, retcode=retcode)
+        if self.aborting is not None:
+            self.dev.finished(self, aborted=True, error=self.aborting)
+        else:
+            self.dev.finished(self, retcode=retcode, detail=detail)
 
 
 class ConfigCall(SoftCall):
@@ -243,6 +317,13 @@ class SendCall(SoftCall):
         handover = dev.port.post(self.comm.sessions[args.root_src_dst], msg, DEQUEUE_TIMEOUT)
         if handover is not None:
             yield handover
+
+    def peers_waited(self, wait: Wait) -> list[int]:
+        return [self.comm.sessions[self.args.root_src_dst]]
+
+    def waiting_for(self, wait: Wait) -> str:
+        return (f"rank {self.peers_waited(wait)[0]} to receive its message (no matching "
+                f"recv(src={self.comm.rank}, tag={self.args.tag}) ran there)")
 
     def abandon(self) -> None:
         if not self.sent and hasattr(self, "seq"):  # fill our gap in the peer's sequence
@@ -283,6 +364,13 @@ class RecvCall(SoftCall):
             np.copyto(dst, data.view(path.wire), casting="unsafe")
         finally:
             dev.inbox.release(msg)
+
+    def peers_waited(self, wait: Wait) -> list[int]:
+        return [self.src]
+
+    def waiting_for(self, wait: Wait) -> str:
+        tag = "any tag" if self.args.tag == TAG_ANY else f"tag {self.args.tag}"
+        return f"a message from rank {self.src} ({tag})"
 
     def abandon(self) -> None:
         if getattr(self, "posted", None) is not None:
@@ -366,6 +454,15 @@ class ScheduleCall(SoftCall):
                 self.dev.port.meeting(self.prefix, self.comm.size).leave(self.comm.rank, False)
         else:  # peers' messages would fill rx buffers
             self.dev.inbox.abandon_steps(self.prefix)
+
+    def peers_waited(self, wait: Wait) -> list[int]:
+        sources = getattr(wait, "sources", None)
+        if sources is not None:
+            return sources()
+        missing = getattr(wait, "missing", None)
+        if missing is not None and self.comm is not None:
+            return [self.comm.sessions[r] for r in missing()]
+        return []
 
     def _meets(self) -> bool:
         """In process, a small allreduce meets its peers in shared memory."""

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import _exchmem as xm
 from .._constants import ConfigFunction, ErrorCode, Scenario
-from .._errors import DeviceError
+from .._errors import Aborted, DeviceError
 from ..devices import CallArgs, DeviceCall
 from ..devices._jobs import HostJobs, Job
 from ._calls import CallFailed, Comm, SoftCall, State, make_call
@@ -49,10 +49,23 @@ class SoftDevice:
         self._coll_seq: dict[Hashable, int] = {}
         self._queue: deque[SoftCall] = deque()  # in order: calls ready, waiting their turn
         self._running = False
-        self._calls: set[SoftCall] = set()  # admitted and not finished, for close
+        self._calls: dict[SoftCall, None] = {}  # admitted, not finished (in order)
         self._jobs = HostJobs(f"soft-cclo-{session}")
         self.closed = False
+        self.last: str | None = None  # the last call admitted, described
+        register = getattr(port, "register", None)
+        if register is not None:
+            register(self.activity)
         self.engine.attach()
+
+    def activity(self) -> str:
+        """What this CCLO is doing, for a peer's error message (engine context)."""
+        calls = list(self._calls)
+        if not calls:
+            return "has no call outstanding" + (f" (its last: {self.last})" if self.last else "")
+        listed = ", ".join(c.describe() for c in calls[:3])
+        more = f" and {len(calls) - 3} more" if len(calls) > 3 else ""
+        return f"is in {listed}{more}"
 
     # -- exchange memory and device memory ----------------------------------------
 
@@ -196,7 +209,9 @@ class SoftDevice:
         if self.closed:
             call.abort()
             return
-        self._calls.add(call)
+        self._calls[call] = None
+        if call.args.scenario != Scenario.CONFIG:
+            self.last = call.describe()
         call.admit(waitfor)
 
     def ready(self, call: SoftCall) -> None:
@@ -209,17 +224,31 @@ class SoftDevice:
             self._running = True
             call.start()
 
-    def finished(self, call: SoftCall, retcode: int = 0, aborted: bool = False) -> None:
-        """A call ended (engine context): publish its return code, release the next."""
-        self._calls.discard(call)
-        if not aborted:
-            self.exchmem[xm.RETCODE // 4] = retcode
+    def finished(self, call: SoftCall, retcode: int = 0, aborted: bool = False,
+                 error: Exception | None = None, detail: str | None = None) -> None:
+        """A call ended (engine context): publish its return code, release the next.
+        `aborted`: it never ran (a dependency failed), or `error` ended it."""
+        self._calls.pop(call, None)
+        if call.handle.started:  # it ran: its turn is over
+            if error is None:
+                self.exchmem[xm.RETCODE // 4] = retcode
             if self.in_order:
                 if self._queue:
                     self.engine.soon(self._queue.popleft().start)
                 else:
                     self._running = False
-        call.handle.complete(retcode, aborted=aborted)
+        if error is not None:
+            call.handle.complete(error=error)
+        else:
+            call.handle.complete(retcode, aborted=aborted, detail=detail)
+
+    def abort(self, reason: str) -> None:
+        """End every outstanding call at once with `Aborted(reason)` (any thread)."""
+        self.engine.post(self._abort, Aborted(reason))
+
+    def _abort(self, error: Aborted) -> None:
+        for call in list(self._calls):
+            call.abort_now(error)
 
     def run(self, job: Job, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
         """Host work (kernels modelled in Python, transfers) on the CCLO's own workers."""
@@ -233,15 +262,7 @@ class SoftDevice:
         self.engine.post(self._close)
 
     def _close(self) -> None:
-        for call in list(self._calls):
-            if call.state is State.SUBMITTED:
-                call.abort()
-            elif call.waiting is not None:
-                wait, call.waiting = call.waiting, None
-                wait.waiter = None
-                if call.timer is not None:
-                    call.timer.cancel()
-                call.resume(None, CallFailed(ErrorCode.RECEIVE_TIMEOUT_ERROR))
+        self._abort(Aborted("its soft CCLO was closed"))
         self._queue.clear()
         self._jobs.close()
         self.port.close()

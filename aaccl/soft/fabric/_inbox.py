@@ -69,6 +69,10 @@ class StepWait(Wait):
         super().__init__(RECEIVE_TIMEOUT)
         self.inbox, self.slot = inbox, slot
 
+    def sources(self) -> list[int]:
+        """The session whose message this waits for."""
+        return [self.slot[0]]
+
     def expire(self) -> bool:
         self.inbox._step_waits.pop(self.slot, None)
         return True

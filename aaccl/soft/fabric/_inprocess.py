@@ -23,6 +23,7 @@ class InProcessFabric:
         self.engine = Engine(f"inprocess-{size}")
         self.inboxes = [Inbox() for _ in range(size)]
         self.meetings: dict[Hashable, Meeting] = {}
+        self.activities: dict[int, Callable[[], str]] = {}  # session -> what it does now
 
     def port(self, session: int) -> InProcessPort:
         return InProcessPort(self, session)
@@ -97,6 +98,10 @@ class _Seat(Wait):
         self.meeting.leave(self.rank, arrived=True)
         return True
 
+    def missing(self) -> list[int]:
+        """The communicator ranks that have not arrived."""
+        return [r for r in range(self.meeting.size) if r not in self.meeting.arrived]
+
 
 class InProcessPort:
     def __init__(self, fabric: InProcessFabric, session: int) -> None:
@@ -111,6 +116,15 @@ class InProcessPort:
         handover = _Handover(inbox, msg, timeout_code)
         msg.consumed = handover
         return handover
+
+    def register(self, activity: Callable[[], str]) -> None:
+        """How others can see what this session's CCLO is doing (for their errors)."""
+        self.fabric.activities[self.session] = activity
+
+    def activity(self, session: int) -> str | None:
+        """What session's CCLO is doing now, in words (engine context)."""
+        describe = self.fabric.activities.get(session)
+        return None if describe is None else describe()
 
     def meeting(self, key: Hashable, size: int) -> Meeting:
         """The meeting of the collective `key` (gone once each rank came or left)."""
