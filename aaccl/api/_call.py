@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -30,11 +31,18 @@ class Call:
 
     Awaiting returns None once the result is in place (in host memory, unless
     `to_fpga` asked to leave it on the device) and raises the call's error.
-    A call whose error nobody retrieves is logged when it is garbage collected.
+
+    A call garbage collected without ever being used — awaited, `wait()`ed, its
+    `exception()` read, or passed in another call's `waitfor` (`done()` does not
+    count, nor aaccl's own waits when a rank closes) — warns with a RuntimeWarning,
+    like a coroutine never awaited: whoever dropped it may read a buffer before the
+    result is in place. A failed call is reported once, by its error instead: logged
+    on the `aaccl` logger if nobody retrieved it, silent if someone did (awaiting a
+    dependent that raised DependencyError counts).
     """
 
     __slots__ = ("name", "owner", "_device", "_lock", "_wakers", "_finished", "_error", "_retrieved",
-                 "_deps", "_buffers", "_finish", "_on_done", "__weakref__")
+                 "_used", "_deps", "_buffers", "_finish", "_on_done", "__weakref__")
 
     def __init__(self, name: str, owner: object, device: DeviceCall, deps: tuple[Call, ...],
                  finish: Callable[[], None] | None,
@@ -48,6 +56,7 @@ class Call:
         self._finished = False
         self._error: BaseException | None = None
         self._retrieved = False
+        self._used = False  # awaited, waited, exception() read or in a waitfor: see __del__
         self._deps = deps
         self._finish, self._on_done = finish, on_done
         device.add_done_callback(self._completed)
@@ -93,6 +102,7 @@ class Call:
         """The error of a finished call, or None (counts as retrieving it)."""
         if not self._finished:
             raise RuntimeError(f"{self.name} has not finished")
+        self._used = True
         self._mark_retrieved()
         return self._error
 
@@ -101,6 +111,7 @@ class Call:
         would: for code without an event loop (threads, `aaccl.compat`). Never call it
         on an event loop's thread. TimeoutError if `timeout` seconds pass first (the
         call goes on)."""
+        self._used = True
         if not self._block(timeout):
             raise TimeoutError(f"{self.name} did not finish within {timeout} s")
         self._mark_retrieved()
@@ -108,7 +119,8 @@ class Call:
             raise self._error
 
     def _block(self, timeout: float | None = None) -> bool:
-        """Block this thread until the call finished; False if `timeout` passed first."""
+        """Block this thread until the call finished; False if `timeout` passed first.
+        Internal waits (leaving a rank) do not count as using the call: see __del__."""
         if self._finished:
             return True
         finished = threading.Event()
@@ -122,6 +134,7 @@ class Call:
             return True
 
     def __await__(self) -> Generator[Any, None, None]:
+        self._used = True  # even if the await is cancelled: the caller did await it
         if not self._finished:
             trace = _trace.active()
             if trace is None:
@@ -154,5 +167,15 @@ class Call:
         return f"<Call {self.name} {state}>"
 
     def __del__(self) -> None:
-        if self._error is not None and not self._retrieved:
-            log.error("%s failed and nobody awaited it: %s", self.name, self._error)
+        # One report per call. A failure is logged unless someone retrieved it (itself or
+        # through a dependent's DependencyError): the warning would add nothing. A call
+        # that did not fail (or never finished) and was never used warns.
+        if self._error is not None:
+            if not self._retrieved:
+                log.error("%s failed and nobody awaited it: %s", self.name, self._error)
+        elif not self._used:
+            # Where it is collected says nothing (often the device's thread): name the
+            # call; `source` lets `python -X tracemalloc=10` show where it was created.
+            warnings.warn(f"Call {self.name} was never awaited: its result may not be in "
+                          "place when you read the buffer; await it, pass it in waitfor=, "
+                          "or call .wait()", RuntimeWarning, stacklevel=1, source=self)
