@@ -272,13 +272,22 @@ def test_killed_rank_with_default_cleanup_ends_the_job() -> None:
 
 
 @pytest.mark.parametrize("count", [5000, 10], ids=["rendezvous", "eager"])
-def test_mismatched_collectives_fail_instead_of_deadlocking(count: int) -> None:
-    """Rank 0 calls bcast, the others allreduce. A large bcast's root waits for its
-    receivers and times out too; a small (eager) one completes, and rank 0 then fails
-    for want of the others when the world closes."""
+def test_mismatched_collectives_fail_at_once_naming_both_sides(count: int) -> None:
+    """Rank 0 calls bcast, the others allreduce: the bcast's messages carry its
+    fingerprint, so the receivers fail at once (DMA_MISMATCH_ERROR, naming both
+    calls) and tell rank 0, whose large (rendezvous) bcast fails as well; a small
+    (eager) one has completed, and rank 0 then fails for want of the others when
+    the world closes."""
     job = launch(3, "faults.py", "mismatch", f"timeout={TIMEOUT}", limit=FAULT_LIMIT,
                  env={"AACCL_TEST_COUNT": str(count)})
-    assert_timed_out(job, [0, 1, 2] if count > 1024 else [1, 2])
+    assert job.returncode != 0, f"the job succeeded{job.explain()}"
+    faults = job.faults()
+    for rank in [0, 1, 2] if count > 1024 else [1, 2]:
+        assert rank in faults, f"rank {rank} reported no failed call{job.explain()}"
+        waited, kind, call = faults[rank]
+        assert kind == "CCLOError:DMA_MISMATCH_ERROR", f"rank {rank}: {kind}{job.explain()}"
+        assert waited < TIMEOUT / 2, f"rank {rank}'s {call} failed after {waited} s"
+    assert "rank 0 called bcast(count=" in job.stderr + job.stdout, job.explain()
     if count <= 1024:
         assert re.search(r"ACCLError: not every rank finished within \S+ s of rank 0",
                          job.stderr), job.explain()

@@ -29,8 +29,15 @@ class DeviceSpy:
     def __init__(self, device: Any) -> None:
         self.device = device
         self.seen: list[str] = []
+        self.skipped = False  # the rank told its peers it rejected a collective
         for name in SPIED:
             setattr(device, name, self._wrap(name, getattr(device, name)))
+        skip = device.skip_collective
+
+        def skipped(*args: Any) -> None:
+            self.skipped = True
+            skip(*args)
+        device.skip_collective = skipped
 
     def _wrap(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         def spied(*args: Any, **kwargs: Any) -> Any:
@@ -39,7 +46,7 @@ class DeviceSpy:
         return spied
 
     def remove(self) -> None:
-        for name in SPIED:
+        for name in (*SPIED, "skip_collective"):
             delattr(self.device, name)
 
 
@@ -223,6 +230,11 @@ async def test_bad_call_reaches_no_device(bad_call: Callable[[Env], Any], error:
         assert len(env.me._driver.communicators) == communicators
         for spy in spies:
             spy.remove()
+        if spies[0].skipped:
+            # a rejected collective still takes its place: the peer's call of it is
+            # aborted (here: its next collective), naming this rank and the error
+            with pytest.raises(aaccl.Aborted, match=f"rank 0 rejected its .*{error.__name__}"):
+                await env.other.barrier()
         await check_usable(accls)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -88,6 +90,24 @@ def _holds(device: Device, address: int, data: np.ndarray) -> bool:
                for i in range(0, want.size, _CHUNK))
 
 
+def _collective(method: Callable[..., Call]) -> Callable[..., Call]:
+    """A collective whose arguments this rank rejects still takes its place among
+    the communicator's collectives, where the device can say so (the soft CCLO):
+    the peers' calls of it fail at once, naming this rank and the error, instead of
+    timing out or, worse, matching this rank's next collective."""
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def submit(self: ACCL, *args: Any, **kwargs: Any) -> Call:
+        try:
+            return method(self, *args, **kwargs)
+        except (TypeError, ValueError) as exc:
+            self._rejected(method.__name__, signature, (self, *args), kwargs, exc)
+            raise
+
+    return submit
+
+
 class ACCL:
     """One rank: its CCLO, its buffers, and the operations it runs.
 
@@ -156,6 +176,22 @@ class ACCL:
                 with self._lock:
                     self._outstanding.discard(pending)
             await anyio.to_thread.run_sync(self._driver.close)
+
+    def _rejected(self, op: str, signature: inspect.Signature, args: tuple[Any, ...],
+                  kwargs: dict[str, Any], exc: Exception) -> None:
+        """Tell the communicator that this rank's collective `op` will not happen."""
+        skip = getattr(self._driver.device, "skip_collective", None)
+        if skip is None or self._closed:
+            return
+        try:
+            comm_id = signature.bind(*args, **kwargs).arguments.get("comm_id", GLOBAL_COMM)
+        except TypeError:
+            comm_id = GLOBAL_COMM  # called with arguments that do not even bind
+        if isinstance(comm_id, bool) or not isinstance(comm_id, int) \
+                or not 0 <= comm_id < len(self._driver.communicators):
+            return  # no communicator to tell
+        skip(self._driver.communicators[comm_id][0],
+             f"rank {self._rank} rejected its {op}: {type(exc).__name__}: {exc}")
 
     def _abort(self, reason: str) -> None:
         """End every outstanding call of this rank at once with `Aborted(reason)`,
@@ -484,6 +520,7 @@ class ACCL:
 
     # -- collectives ------------------------------------------------------------------
 
+    @_collective
     def bcast(self, buf: Buffer, count: int, root: int, comm_id: int = GLOBAL_COMM,
               from_fpga: bool = False, to_fpga: bool = False, compress_dtype: Any = None,
               *, waitfor: Calls = ()) -> Call:
@@ -503,6 +540,7 @@ class ACCL:
                             sync_out=None if to_fpga or (is_root and not from_fpga)
                             else _head(b, n))
 
+    @_collective
     def scatter(self, sbuf: Buffer | None, rbuf: Buffer, count: int, root: int,
                 comm_id: int = GLOBAL_COMM, from_fpga: bool = False, to_fpga: bool = False,
                 compress_dtype: Any = None, *, waitfor: Calls = ()) -> Call:
@@ -523,6 +561,7 @@ class ACCL:
                             and not from_fpga else (),
                             sync_out=None if to_fpga else _head(d, n))
 
+    @_collective
     def gather(self, sbuf: Buffer, rbuf: Buffer | None, count: int, root: int,
                comm_id: int = GLOBAL_COMM, from_fpga: bool = False, to_fpga: bool = False,
                compress_dtype: Any = None, *, waitfor: Calls = ()) -> Call:
@@ -543,6 +582,7 @@ class ACCL:
                             sync_out=_head(d, n * size) if is_root and d is not None
                             and not to_fpga else None)
 
+    @_collective
     def reduce(self, sbuf: Buffer, rbuf: Buffer | None, count: int, root: int,
                func: ReduceFunction, comm_id: int = GLOBAL_COMM, from_fpga: bool = False,
                to_fpga: bool = False, compress_dtype: Any = None, *, waitfor: Calls = ()) -> Call:
@@ -581,6 +621,7 @@ class ACCL:
                             sync_in=() if from_fpga else (_head(s, n * inputs),),
                             sync_out=None if to_fpga else _head(d, n * outputs))
 
+    @_collective
     def allgather(self, sbuf: Buffer, rbuf: Buffer, count: int, comm_id: int = GLOBAL_COMM,
                   from_fpga: bool = False, to_fpga: bool = False, compress_dtype: Any = None,
                   *, waitfor: Calls = ()) -> Call:
@@ -588,6 +629,7 @@ class ACCL:
         return self._all("allgather", Scenario.ALLGATHER, sbuf, rbuf, count, False, True, None,
                          comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 
+    @_collective
     def allreduce(self, sbuf: Buffer, rbuf: Buffer, count: int, func: ReduceFunction,
                   comm_id: int = GLOBAL_COMM, from_fpga: bool = False, to_fpga: bool = False,
                   compress_dtype: Any = None, *, waitfor: Calls = ()) -> Call:
@@ -595,6 +637,7 @@ class ACCL:
         return self._all("allreduce", Scenario.ALLREDUCE, sbuf, rbuf, count, False, False,
                          check.function(func), comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 
+    @_collective
     def reduce_scatter(self, sbuf: Buffer, rbuf: Buffer, count: int, func: ReduceFunction,
                        comm_id: int = GLOBAL_COMM, from_fpga: bool = False,
                        to_fpga: bool = False, compress_dtype: Any = None,
@@ -604,6 +647,7 @@ class ACCL:
         return self._all("reduce_scatter", Scenario.REDUCE_SCATTER, sbuf, rbuf, count, True, False,
                          check.function(func), comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 
+    @_collective
     def alltoall(self, sbuf: Buffer, rbuf: Buffer, count: int, comm_id: int = GLOBAL_COMM,
                  from_fpga: bool = False, to_fpga: bool = False, compress_dtype: Any = None,
                  *, waitfor: Calls = ()) -> Call:
@@ -611,6 +655,7 @@ class ACCL:
         return self._all("alltoall", Scenario.ALLTOALL, sbuf, rbuf, count, True, True, None,
                          comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 
+    @_collective
     def barrier(self, comm_id: int = GLOBAL_COMM, *, waitfor: Calls = ()) -> Call:
         """Completes once every rank of the communicator has entered the barrier."""
         self._comm_size(comm_id)

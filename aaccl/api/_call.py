@@ -10,7 +10,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from .. import _trace
-from .._errors import ACCLError, DependencyError
+from .._errors import Aborted, ACCLError, DependencyError
 from ..devices import DeviceCall
 from ..driver import Driver
 from . import _bridge
@@ -171,7 +171,8 @@ class Call:
         # through a dependent's DependencyError): the warning would add nothing. A call
         # that did not fail (or never finished) and was never used warns.
         if self._error is not None:
-            if not self._retrieved:
+            # an Aborted call's world ended early: that cause is reported, not each call
+            if not self._retrieved and not isinstance(self._error, Aborted):
                 log.error("%s failed and nobody awaited it: %s", self.name, self._error)
         elif not self._used:
             # Where it is collected says nothing (often the device's thread): name the

@@ -32,7 +32,8 @@ from ..devices import CallArgs, DeviceCall
 from ._datapath import OPERAND_FLAGS, Datapath
 from ._engine import Timer, Wait
 from .algorithms import SMALL_ALLREDUCE_COUNT, Copy, Incoming, Local, Send, Step, schedule
-from .fabric import Key, Message, PostedRecv
+from .fabric import Fingerprint, Key, Message, PostedRecv
+from .fabric._inbox import mismatch
 
 if TYPE_CHECKING:
     from ._device import SoftDevice
@@ -45,6 +46,10 @@ COLLECTIVES = frozenset({Scenario.BCAST, Scenario.SCATTER, Scenario.GATHER, Scen
                          Scenario.ALLGATHER, Scenario.ALLREDUCE, Scenario.REDUCE_SCATTER,
                          Scenario.BARRIER, Scenario.ALLTOALL})
 ROOTED = frozenset({Scenario.BCAST, Scenario.SCATTER, Scenario.GATHER, Scenario.REDUCE})
+REDUCING = frozenset({Scenario.REDUCE, Scenario.ALLREDUCE, Scenario.REDUCE_SCATTER,
+                      Scenario.COMBINE})
+MISMATCH = int(ErrorCode.DMA_MISMATCH_ERROR)
+SIZE_MISMATCH = int(ErrorCode.DMA_SIZE_ERROR)
 
 OFFLOAD_BYTES = 1 << 20
 """Copies and reductions of at least this many bytes run on the engine's data
@@ -65,18 +70,19 @@ class CallFailed(Exception):
         self.detail = detail
 
 
-def _describe(args: CallArgs, comm: Comm | None = None) -> str:
+def _describe(args: CallArgs, dtype: np.dtype | None = None) -> str:
     """A call as a user wrote it, from its CCLO arguments: "bcast(count=64, root=0)"."""
     scenario = Scenario(args.scenario)
-    parts = [f"count={args.count}"]
+    parts = [] if scenario == Scenario.BARRIER else [f"count={args.count}"]
+    if dtype is not None and parts:
+        parts.append(dtype.name)
     if scenario in ROOTED:
         parts.append(f"root={args.root_src_dst}")
     elif scenario == Scenario.SEND:
         parts.append(f"dst={args.root_src_dst}, tag={args.tag}")
     elif scenario == Scenario.RECV:
         parts.append(f"src={args.root_src_dst}, tag={args.tag}")
-    if scenario in (Scenario.REDUCE, Scenario.ALLREDUCE, Scenario.REDUCE_SCATTER,
-                    Scenario.COMBINE):
+    if scenario in REDUCING:
         parts.append(_function_name(args.function))
     return f"{scenario.name.lower()}({', '.join(parts)})"
 
@@ -114,12 +120,14 @@ class SoftCall:
     """One call on one soft CCLO. Subclasses say how it is admitted and what it runs."""
 
     __slots__ = ("dev", "args", "handle", "state", "failure", "deps_left", "body", "waiting",
-                 "timer", "aborting")
+                 "timer", "aborting", "failure_detail", "failure_error")
 
     def __init__(self, dev: SoftDevice, args: CallArgs, handle: DeviceCall) -> None:
         self.dev, self.args, self.handle = dev, args, handle
         self.state = State.SUBMITTED
-        self.failure = 0  # a retcode known at admission: the call fails when it would run
+        self.failure = 0  # a retcode known early: the call fails when it would run or end
+        self.failure_detail: str | None = None
+        self.failure_error: Aborted | None = None  # the failure is an abort (a peer's)
         self.deps_left = 0
         self.body: Body | None = None
         self.waiting: Wait | None = None
@@ -133,7 +141,7 @@ class SoftCall:
         try:
             self.prepare()
         except CallFailed as failed:
-            self.failure = failed.code
+            self.failure, self.failure_detail = failed.code, failed.detail
         if not waitfor:
             self.dev.ready(self)
             return
@@ -168,6 +176,27 @@ class SoftCall:
         self.abandon()
         self.state = State.DONE
         self.dev.finished(self, aborted=True, error=self.aborting)
+
+    def fail_now(self, failed: CallFailed, error: Aborted | None = None) -> None:
+        """End the call with `failed` (a peer's call of the same collective failed,
+        or does not match ours), or with `error` if given: at once by failing what it
+        waits for; a call whose payload a peer reads right now fails once that is
+        over, and one still waiting for its `waitfor` when it would start (so a
+        failed dependency of its own still makes it a DependencyError)."""
+        if self.state is State.DONE or self.aborting is not None or self.failure:
+            return
+        self.failure, self.failure_detail = failed.code, failed.detail
+        if self.state is State.SUBMITTED:
+            self.failure_error = error
+            return
+        self.aborting = error
+        wait = self.waiting
+        if wait is not None and wait.expire():
+            wait.waiter, self.waiting = None, None
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+            self.resume(None, failed)
 
     def abort_now(self, error: Aborted) -> None:
         """End the call at once with `error` (its world is cancelled or closed):
@@ -212,8 +241,9 @@ class SoftCall:
         self.state = State.RUNNING
         self.handle.mark_started()
         if self.failure:
+            self.aborting = self.failure_error
             self.abandon()
-            self.finish(self.failure)
+            self.finish(self.failure, self.failure_detail)
             return
         self.body = self.run()
         self.resume(None)
@@ -226,6 +256,8 @@ class SoftCall:
         """Run the body until it waits for something not there yet, or ends."""
         body = self.body
         assert body is not None
+        if error is None and self.failure:  # failed while running: no further step
+            error = CallFailed(self.failure, self.failure_detail)
         while True:
             try:
                 wait = body.send(value) if error is None else body.throw(error)
@@ -279,6 +311,8 @@ class SoftCall:
     def finish(self, retcode: int, detail: str | None = None) -> None:
         self.state = State.DONE
         self.body = None
+        if not retcode and self.failure:  # failed while a peer read our data
+            retcode, detail = self.failure, self.failure_detail
         if self.aborting is not None:
             self.dev.finished(self, aborted=True, error=self.aborting)
         else:
@@ -313,6 +347,7 @@ class SendCall(SoftCall):
         payload = path.to_wire(dev.array(args.addr_0, path.dtype, args.count))
         msg = Message(dev.session, ("p2p", self.comm.key), self.seq, args.tag,
                       payload.view(np.uint8), eager=payload.nbytes <= dev.max_eager_size)
+        msg.fp, msg.desc = (args.count, path.wire.str), _describe(args, path.dtype)
         self.sent = True
         handover = dev.port.post(self.comm.sessions[args.root_src_dst], msg, DEQUEUE_TIMEOUT)
         if handover is not None:
@@ -358,6 +393,10 @@ class RecvCall(SoftCall):
         self.posted = None
         dev.count_message(args, INBOUND_SEQ)
         try:
+            if msg.fp is not None and msg.fp != (args.count, path.wire.str):
+                code = SIZE_MISMATCH if msg.fp[0] != args.count else MISMATCH
+                raise CallFailed(code, f"rank {msg.src} sent {msg.desc}; rank {dev.session} "
+                                       f"called {_describe(args, path.dtype)}")
             data = dev.inbox.data(msg)
             if data.nbytes != args.count * path.wire.itemsize:
                 raise CallFailed(ErrorCode.DMA_SIZE_ERROR)
@@ -428,7 +467,7 @@ class ScheduleCall(SoftCall):
     """copy, combine and the collectives: a schedule of sends, copies and reductions."""
 
     __slots__ = ("comm", "seq", "path", "addrs", "itemsizes", "views", "sending", "taken",
-                 "saved", "prefix", "met")
+                 "saved", "prefix", "met", "fp", "desc", "quiet")
 
     def prepare(self) -> None:
         args, dev = self.args, self.dev
@@ -436,24 +475,101 @@ class ScheduleCall(SoftCall):
         self.prefix: Key | None = None
         self.seq = 0
         self.met = False
+        self.fp: Fingerprint | None = None
+        self.desc = _describe(args)
+        self.quiet = False  # its failure came from a peer, which has told the others
         if args.scenario in COLLECTIVES:
             self.comm = comm = dev.comm(args.comm)
             self.seq = dev.next_coll_seq(comm.key)
             self.prefix = ("coll", comm.key, self.seq)
             if args.scenario in ROOTED and args.root_src_dst >= comm.size:
                 raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
+            self._join(comm)
         _check_streams_and_compression(args)
+
+    def _join(self, comm: Comm) -> None:
+        """Check our call against the peers' calls of this collective (fingerprints
+        in their messages), now and as their messages come."""
+        args = self.args
+        scenario = Scenario(args.scenario)
+        path = self.dev.datapath(args)
+        self.desc = _describe(args, path.dtype)
+        self.fp = (int(scenario), None if scenario == Scenario.BARRIER else args.count,
+                   path.dtype.str, path.wire.str,
+                   args.root_src_dst if scenario in ROOTED else None,
+                   args.function if scenario in REDUCING else None, comm.size)
+        assert self.prefix is not None
+        failure = self.dev.inbox.join(self.prefix, self.dev.session, self.fp, self.desc,
+                                      self._peer_failed)
+        roll_call = getattr(self.dev.port, "roll_call", None)  # in process: all at once
+        if roll_call is not None and comm.size > 1:
+            differs = roll_call(self.prefix, comm.size, self.dev.session, self.fp, self.desc)
+            if failure is None and differs is not None:
+                failure = (*differs, False)
+        if failure is not None:
+            code, why, notified = failure
+            self.quiet = notified
+            if not code:  # a peer's call was aborted, or it rejected its call
+                self.failure_error = Aborted(why)
+                code = MISMATCH  # (the call ends with `failure_error`)
+            raise CallFailed(code, why)
+
+    def _peer_failed(self, code: int, why: str, notified: bool) -> None:
+        """Inbox: a peer's call of our collective failed (`notified`) or does not
+        match ours: so does ours, at once (as an event: we may be inside a send)."""
+        self.quiet = self.quiet or notified
+        if code:
+            self.dev.engine.soon(self.fail_now, CallFailed(code, why))
+        else:  # the peer's call was aborted: ours is too
+            self.dev.engine.soon(self.fail_now, CallFailed(MISMATCH, why), Aborted(why))
 
     def abandon(self) -> None:
         if getattr(self, "prefix", None) is None:
             return
         assert self.comm is not None
-        if self._meets():
-            if not self.met:  # the others must not wait for us
-                self.met = True
-                self.dev.port.meeting(self.prefix, self.comm.size).leave(self.comm.rank, False)
-        else:  # peers' messages would fill rx buffers
-            self.dev.inbox.abandon_steps(self.prefix)
+        if self._meets() and not self.met:  # the others must not wait for us
+            self.met = True
+            self.dev.port.meeting(self.prefix, self.comm.size).leave(self.comm.rank, False)
+        self.dev.inbox.abandon_steps(self.prefix)  # peers' messages would fill rx buffers
+
+    def abort(self) -> None:
+        self._tell_peers(0, "it did not run: a call it waits for failed"
+                         if self.aborting is None else str(self.aborting))
+        super().abort()
+
+    def finish(self, retcode: int, detail: str | None = None) -> None:
+        if getattr(self, "prefix", None) is not None:
+            self.dev.inbox.leave(self.prefix)
+        if self.aborting is not None:
+            self._tell_peers(0, str(self.aborting))
+        elif retcode or self.failure:
+            code, why = (retcode, detail) if retcode else (self.failure, self.failure_detail)
+            self._tell_peers(code, why)
+        super().finish(retcode, detail)
+
+    def _tell_peers(self, code: int, why: str | None) -> None:
+        """Our call of a collective failed: tell every other member, so that theirs
+        fail at once (or as soon as they make it) instead of timing out."""
+        prefix, comm = getattr(self, "prefix", None), self.comm
+        if prefix is None or comm is None:
+            return
+        self.dev.inbox.leave(prefix)
+        if self.quiet or comm.size == 1:
+            return
+        self.quiet = True
+        me = self.dev.session
+        if code in (MISMATCH, SIZE_MISMATCH) and why:
+            notice = why  # names both sides already
+        elif code:
+            names = ", ".join(ErrorCode(code).names())
+            notice = f"rank {me}'s {self.desc} failed ({names})" + (f": {why}" if why else "")
+        else:
+            notice = f"rank {me}'s {self.desc} was aborted: {why}"
+        for peer in comm.sessions:
+            if peer != me:
+                msg = Message(me, ("abort", comm.key, self.seq), self.seq, 0, None, eager=True)
+                msg.notice = (code, notice)
+                self.dev.port.post(peer, msg, 0)
 
     def peers_waited(self, wait: Wait) -> list[int]:
         sources = getattr(wait, "sources", None)
@@ -489,8 +605,14 @@ class ScheduleCall(SoftCall):
                 d[...] = total
             return 0
 
+        meeting = dev.port.meeting(prefix, comm.size)
+        assert self.fp is not None
+        conflict = meeting.check(dev.session, self.fp, self.desc)
+        if conflict is not None:
+            self.abandon()
+            raise CallFailed(*conflict)
         self.met = True
-        seat = dev.port.meeting(prefix, comm.size).arrive(comm.rank, (src, dst, path), compute)
+        seat = meeting.arrive(comm.rank, (src, dst, path), compute)
         retcode = seat.value if seat.done else (yield seat)
         if retcode:
             raise CallFailed(retcode)
@@ -620,6 +742,10 @@ class ScheduleCall(SoftCall):
             wait = self.dev.inbox.expect_step(self.comm.sessions[op.peer], self._key(op.tag))
             msg = wait.value if wait.done else (yield wait)
             self.taken[op] = msg
+            if msg.fp is not None and msg.fp != self.fp:  # never compute with it
+                assert self.fp is not None
+                raise CallFailed(*mismatch(self.fp, msg.fp, (self.dev.session, self.desc),
+                                           (msg.src, msg.desc or "?")))
         data = self.dev.inbox.data(msg)
         if data.nbytes != count * self.path.wire.itemsize:
             raise CallFailed(ErrorCode.DMA_SIZE_ERROR)
@@ -636,6 +762,7 @@ class ScheduleCall(SoftCall):
         payload = self.path.to_wire(data)
         msg = Message(dev.session, self._key(step.tag), self.seq, step.tag,
                       payload.view(np.uint8), eager=payload.nbytes <= dev.max_eager_size)
+        msg.fp, msg.desc = self.fp, self.desc
         handover = dev.port.post(self.comm.sessions[step.peer], msg, RECEIVE_TIMEOUT)
         if handover is not None:
             start, end = self._span(step.src, step.count)

@@ -242,6 +242,26 @@ class SoftDevice:
         else:
             call.handle.complete(retcode, aborted=aborted, detail=detail)
 
+    def skip_collective(self, comm: int, reason: str) -> None:
+        """The host rejected a collective on communicator `comm` (its exchange-memory
+        address): it takes its place in the order of collectives all the same, and
+        the peers' calls of it are aborted with `reason` (any thread)."""
+        self.engine.post(self._skip, comm, reason)
+
+    def _skip(self, address: int, reason: str) -> None:
+        if self.closed:
+            return
+        try:
+            comm = self.comm(address)
+        except CallFailed:
+            return
+        seq = self.next_coll_seq(comm.key)
+        for peer in comm.sessions:
+            if peer != self.session:
+                msg = Message(self.session, ("abort", comm.key, seq), seq, 0, None, eager=True)
+                msg.notice = (0, reason)
+                self.port.post(peer, msg, 0)
+
     def abort(self, reason: str) -> None:
         """End every outstanding call at once with `Aborted(reason)` (any thread)."""
         self.engine.post(self._abort, Aborted(reason))

@@ -15,9 +15,34 @@ import numpy as np
 from ..._constants import ErrorCode
 from .._engine import Wait
 from ._matching import PostedRecv, Stream
-from ._message import Key, Message, MessageState
+from ._message import Fingerprint, Key, Message, MessageState
 
 RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
+SIZE_MISMATCH = int(ErrorCode.DMA_SIZE_ERROR)
+MISMATCH = int(ErrorCode.DMA_MISMATCH_ERROR)
+
+Failure = tuple[int, str]
+"""(retcode, why) a collective fails with."""
+
+
+def mismatch(fp: Fingerprint, other: Fingerprint, ours: tuple[int, str],
+             theirs: tuple[int, str]) -> Failure:
+    """The failure of two calls of one collective that do not agree: count alone
+    is ACCL's DMA_SIZE_ERROR, anything else DMA_MISMATCH_ERROR; the words name both
+    sides, (rank, call) in rank order."""
+    code = SIZE_MISMATCH if fp[:1] + fp[2:] == other[:1] + other[2:] else MISMATCH
+    (a, x), (b, y) = sorted((ours, theirs))
+    return code, f"rank {a} called {x}; rank {b} called {y}"
+
+
+class _Member:
+    """This CCLO's call of a collective, as registered for checks and notices."""
+
+    __slots__ = ("session", "fp", "desc", "fail")
+
+    def __init__(self, session: int, fp: Fingerprint, desc: str,
+                 fail: Callable[[int, str, bool], None]) -> None:
+        self.session, self.fp, self.desc, self.fail = session, fp, desc, fail
 
 
 class RxPool:
@@ -86,6 +111,9 @@ class Inbox:
         self._steps: dict[tuple[int, Key], Message] = {}
         self._step_waits: dict[tuple[int, Key], StepWait] = {}
         self._abandoned: set[Key] = set()  # ("coll", comm, seq) of collectives that gave up
+        self._members: dict[Key, _Member] = {}  # our running collectives, by prefix
+        self._seen: dict[Key, tuple[int, Fingerprint, str]] = {}  # before we joined
+        self._failed: dict[Key, Failure] = {}  # notices for collectives we have not joined
         self._orders = itertools.count()
         self.rx: RxPool | None = None
 
@@ -99,7 +127,13 @@ class Inbox:
 
     def deliver(self, msg: Message) -> bool:
         """Accept a message; True if its payload was copied here (the send is done)."""
-        if msg.key[0] != "p2p" and msg.key[:3] in self._abandoned:
+        kind = msg.key[0]
+        if kind == "abort":
+            self._notice(msg)
+            return True
+        if kind == "coll":
+            self._check(msg)
+        if kind != "p2p" and msg.key[:3] in self._abandoned:
             # its collective gave up here: nobody will read it
             if not msg.eager:
                 msg.state = MessageState.WITHDRAWN  # the sender's wait fails at its deadline
@@ -179,6 +213,49 @@ class Inbox:
         return self._take(msg)
 
     # -- collective steps -----------------------------------------------------------
+
+    def join(self, prefix: Key, session: int, fp: Fingerprint, desc: str,
+             fail: Callable[[int, str, bool], None]) -> tuple[int, str, bool] | None:
+        """Our call of collective `prefix` is admitted: check it against what peers
+        sent for it already (and whether one of them failed it); later arrivals are
+        checked as they come, and `fail(code, why, notified)` ends our call."""
+        failed = self._failed.pop(prefix, None)
+        seen = self._seen.pop(prefix, None)
+        if failed is not None:
+            return (*failed, True)
+        if seen is not None and seen[1] != fp:
+            return (*mismatch(fp, seen[1], (session, desc), (seen[0], seen[2])), False)
+        self._members[prefix] = _Member(session, fp, desc, fail)
+        return None
+
+    def leave(self, prefix: Key) -> None:
+        """Our call of `prefix` ended."""
+        self._members.pop(prefix, None)
+
+    def _check(self, msg: Message) -> None:
+        prefix = msg.key[:3]
+        member = self._members.get(prefix)
+        if member is None:
+            if msg.fp is not None and prefix not in self._seen \
+                    and prefix not in self._abandoned:
+                self._seen[prefix] = (msg.src, msg.fp, msg.desc or "?")
+        elif msg.fp is not None and msg.fp != member.fp:
+            code, why = mismatch(member.fp, msg.fp, (member.session, member.desc),
+                                 (msg.src, msg.desc or "?"))
+            member.fail(code, why, False)
+
+    def _notice(self, msg: Message) -> None:
+        """A peer's call of a collective failed: so does ours, now or when it comes;
+        what it sends or sent is dropped."""
+        assert msg.notice is not None
+        prefix = ("coll",) + msg.key[1:3]
+        code, why = msg.notice
+        member = self._members.pop(prefix, None)
+        self._seen.pop(prefix, None)
+        if member is not None:
+            member.fail(code, why, True)
+        elif prefix not in self._abandoned:
+            self._failed[prefix] = (code, why)
 
     def expect_step(self, src: int, key: Key) -> Wait:
         """The message `src` sends for this step: set now, or when it comes."""

@@ -12,8 +12,8 @@ from typing import Any
 
 from ..._constants import ErrorCode
 from .._engine import Engine, Wait
-from ._inbox import Inbox
-from ._message import Message, MessageState
+from ._inbox import Inbox, mismatch
+from ._message import Fingerprint, Message, MessageState
 
 
 class InProcessFabric:
@@ -24,6 +24,8 @@ class InProcessFabric:
         self.inboxes = [Inbox() for _ in range(size)]
         self.meetings: dict[Hashable, Meeting] = {}
         self.activities: dict[int, Callable[[], str]] = {}  # session -> what it does now
+        # collectives some ranks have joined: the first one's call, and how many came
+        self.roll: dict[Hashable, tuple[tuple[int, Fingerprint, str], int]] = {}
 
     def port(self, session: int) -> InProcessPort:
         return InProcessPort(self, session)
@@ -49,7 +51,7 @@ class Meeting:
     arrive computes everyone's result at once (O(N) work for N ranks, instead of
     N log N messages), then sets every rank's wait."""
 
-    __slots__ = ("size", "arrived", "seats", "seen", "abandoned", "_forget")
+    __slots__ = ("size", "arrived", "seats", "seen", "abandoned", "_forget", "first")
 
     def __init__(self, size: int, forget: Callable[[], None]) -> None:
         self.size, self._forget = size, forget
@@ -57,6 +59,15 @@ class Meeting:
         self.seats: list[_Seat] = []
         self.seen = 0
         self.abandoned = False
+        self.first: tuple[int, Fingerprint, str] | None = None  # who came first, with what
+
+    def check(self, session: int, fp: Fingerprint, desc: str) -> tuple[int, str] | None:
+        """A rank's call against the first one's: the mismatch, if they differ."""
+        if self.first is None:
+            self.first = (session, fp, desc)
+            return None
+        other, theirs, what = self.first
+        return None if theirs == fp else mismatch(fp, theirs, (session, desc), (other, what))
 
     def _count(self) -> None:
         self.seen += 1
@@ -116,6 +127,24 @@ class InProcessPort:
         handover = _Handover(inbox, msg, timeout_code)
         msg.consumed = handover
         return handover
+
+    def roll_call(self, key: Hashable, size: int, session: int, fp: Fingerprint,
+                  desc: str) -> tuple[int, str] | None:
+        """Join collective `key` of `size` ranks: the mismatch with the first rank
+        that joined, if their calls differ (found even where the two exchange no
+        message, as a gather's roots of different opinion do not)."""
+        roll = self.fabric.roll
+        entry = roll.get(key)
+        if entry is None:
+            first, seen = (session, fp, desc), 1
+        else:
+            first, seen = entry[0], entry[1] + 1
+        if seen >= size:
+            roll.pop(key, None)
+        else:
+            roll[key] = (first, seen)
+        other, theirs, what = first
+        return None if theirs == fp else mismatch(fp, theirs, (session, desc), (other, what))
 
     def register(self, activity: Callable[[], str]) -> None:
         """How others can see what this session's CCLO is doing (for their errors)."""

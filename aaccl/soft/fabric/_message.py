@@ -14,7 +14,12 @@ if TYPE_CHECKING:
     from ._inbox import Inbox
 
 Key = tuple[Any, ...]
-"""A message's matching key: ("p2p", comm) or ("coll", comm, seq, scenario, tag)."""
+"""A message's matching key: ("p2p", comm), ("coll", comm, seq, scenario, tag), or
+("abort", comm, seq) for a notice that collective `seq` failed on the sender."""
+
+Fingerprint = tuple[Any, ...]
+"""What must agree between the ranks of one collective (operation, count, types,
+root, function, communicator size), or between a send and its receive."""
 
 
 class MessageState(enum.Enum):
@@ -33,7 +38,8 @@ class Message:
     """
 
     __slots__ = ("src", "key", "seq", "tag", "nbytes", "payload", "slots", "state", "eager",
-                 "tombstone", "consumed", "matched", "on_taken", "on_done")
+                 "tombstone", "consumed", "matched", "on_taken", "on_done", "fp", "desc",
+                 "notice")
 
     def __init__(self, src: int, key: Key, seq: int, tag: int, payload: np.ndarray | None,
                  eager: bool, tombstone: bool = False) -> None:
@@ -48,6 +54,9 @@ class Message:
         self.matched: Any = None  # the PostedRecv it went to, until that receive runs
         self.on_taken: Callable[[], None] | None = None  # MPI: acknowledge a receive
         self.on_done: Callable[[], None] | None = None  # MPI: acknowledge freed rx buffers
+        self.fp: Fingerprint | None = None  # the sending call's, to check against ours
+        self.desc: str | None = None  # the sending call, as its user wrote it
+        self.notice: tuple[int, str] | None = None  # an abort notice: (retcode, why)
 
 
 class Port(Protocol):
