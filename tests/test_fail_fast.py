@@ -248,12 +248,14 @@ def test_a_raising_rank_ends_run_at_once_with_its_own_error(backend: str) -> Non
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_ctrl_c_while_a_peer_is_missing_exits_at_once(backend: str) -> None:
     code, err, took = run_script("""
-        import aaccl
+        import aaccl, anyio
         async def main(accl):
             b = accl.allocate(4)
             if accl.rank == 1:
                 print("waiting", flush=True)
                 await accl.recv(b, 4, 0, tag=1)
+            else:
+                await anyio.sleep(3600)  # alive, but never sends
         aaccl.run(main, 2, timeout=30, backend=BACKEND)
     """, signal_after="waiting", backend=backend)
     assert code != 0
@@ -292,4 +294,33 @@ async def test_aborted_calls_of_a_world_left_by_an_error_name_the_cause() -> Non
             raise KeyError("boom")
     assert time.monotonic() - start < FAST
     with pytest.raises(aaccl.Aborted, match="the world closed after KeyError: 'boom'"):
+        await call
+
+
+async def test_a_rank_that_returns_early_leaves_and_the_others_learn_at_once() -> None:
+    async def main(accl: aaccl.ACCL) -> None:
+        if accl.rank == 1:
+            return
+        buf = accl.allocate(4)
+        await accl.allreduce(buf, buf, 4, SUM)
+
+    start = time.monotonic()
+    with pytest.raises(ExceptionGroup) as group:
+        await anyio.to_thread.run_sync(lambda: aaccl.run(main, 3, timeout=LONG))
+    assert time.monotonic() - start < FAST
+    for error in group.value.exceptions:
+        assert isinstance(error, aaccl.Aborted)
+        assert "rank 1 left the world: its program returned" in str(error)
+
+
+async def test_a_call_given_up_by_wait_for_does_not_hold_the_world_at_exit() -> None:
+    start = time.monotonic()
+    async with aaccl.open_world(2, timeout=LONG) as (a, b):
+        call = b.recv(b.allocate(4), 4, 0)
+        with pytest.raises(TimeoutError):
+            with anyio.fail_after(0.3):
+                await call
+        assert not call.done()  # it goes on: it still owns its buffer ...
+    assert time.monotonic() - start < FAST  # ... until the world closes and aborts it
+    with pytest.raises(aaccl.Aborted, match="its await was cancelled"):
         await call

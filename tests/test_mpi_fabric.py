@@ -293,7 +293,19 @@ def test_mismatched_collectives_fail_at_once_naming_both_sides(count: int) -> No
                          job.stderr), job.explain()
 
 
-def test_a_rank_that_raises_makes_the_others_time_out() -> None:
-    job = launch(3, "faults.py", "quit", f"timeout={TIMEOUT}", limit=FAULT_LIMIT)
-    assert_timed_out(job, [0, 2])
+def test_a_rank_that_raises_tells_the_others_whose_calls_fail_at_once() -> None:
+    """Rank 1's program raises: it leaves the world and says so, and the others'
+    calls waiting for it (or for a rank that learned it) fail with Aborted, naming
+    rank 1 and its error, long before their timeout."""
+    job = launch(3, "faults.py", "quit", f"timeout={30 * TIMEOUT}", limit=FAULT_LIMIT)
+    assert job.returncode != 0, f"the job succeeded{job.explain()}"
+    faults = job.faults()
+    for rank in (0, 2):
+        assert rank in faults, f"rank {rank} reported no failed call{job.explain()}"
+        waited, kind, call = faults[rank]
+        assert kind == "Aborted", f"rank {rank}: {kind}{job.explain()}"
+        assert waited < TIMEOUT, f"rank {rank}'s {call} failed after {waited} s{job.explain()}"
+    assert "rank 1 left the world: rank 1 raised RuntimeError: rank 1's own code gave up" \
+        in job.stdout, job.explain()
     assert "RuntimeError: rank 1's own code gave up" in job.stderr, job.explain()
+    assert job.seconds < 20, f"the failed job took {job.seconds:.1f} s to end{job.explain()}"

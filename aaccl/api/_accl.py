@@ -133,6 +133,7 @@ class ACCL:
         self._syncs_out: dict[Call, Span] = {}  # what they sync to the host once run
         self._ncalls = 0
         self._closed = False
+        self._departed = False  # told the other ranks it left (`_depart`)
 
     @classmethod
     async def open(cls, driver: Driver) -> ACCL:
@@ -167,15 +168,34 @@ class ACCL:
             return
         self._closed = True
         with anyio.CancelScope(shield=True):
-            while True:
-                with self._lock:
-                    pending = next(iter(self._outstanding), None)
-                if pending is None:
-                    break
-                await _bridge.wait(pending._register)
-                with self._lock:
-                    self._outstanding.discard(pending)
+            await self._settle()
             await anyio.to_thread.run_sync(self._driver.close)
+
+    async def _settle(self) -> None:
+        """Wait until every outstanding call has ended; abort at once those whose
+        await was cancelled (`wait_for`, a timeout scope): nobody waits for them."""
+        abort = getattr(self._driver.device, "abort_call", None)
+        if abort is not None:
+            with self._lock:
+                given_up = [c for c in self._outstanding if c._given_up]
+            for call in given_up:
+                abort(call._device, "its await was cancelled and its rank left the world")
+        while True:
+            with self._lock:
+                pending = next(iter(self._outstanding), None)
+            if pending is None:
+                return
+            await _bridge.wait(pending._register)
+            with self._lock:
+                self._outstanding.discard(pending)
+
+    def _depart(self, reason: str) -> None:
+        """Tell every other rank that this one leaves the world, and why (where the
+        device can: the soft CCLO), so their calls waiting for it fail at once."""
+        leave = getattr(self._driver.device, "leave", None)
+        if leave is not None and not self._departed:
+            self._departed = True
+            leave(reason, range(self._size))
 
     def _rejected(self, op: str, signature: inspect.Signature, args: tuple[Any, ...],
                   kwargs: dict[str, Any], exc: Exception) -> None:

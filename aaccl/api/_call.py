@@ -42,7 +42,7 @@ class Call:
     """
 
     __slots__ = ("name", "owner", "_device", "_lock", "_wakers", "_finished", "_error", "_retrieved",
-                 "_used", "_deps", "_buffers", "_finish", "_on_done", "__weakref__")
+                 "_used", "_given_up", "_deps", "_buffers", "_finish", "_on_done", "__weakref__")
 
     def __init__(self, name: str, owner: object, device: DeviceCall, deps: tuple[Call, ...],
                  finish: Callable[[], None] | None,
@@ -57,6 +57,7 @@ class Call:
         self._error: BaseException | None = None
         self._retrieved = False
         self._used = False  # awaited, waited, exception() read or in a waitfor: see __del__
+        self._given_up = False  # an await of it was cancelled before it finished
         self._deps = deps
         self._finish, self._on_done = finish, on_done
         device.add_done_callback(self._completed)
@@ -137,13 +138,14 @@ class Call:
         self._used = True  # even if the await is cancelled: the caller did await it
         if not self._finished:
             trace = _trace.active()
-            if trace is None:
+            began = time.perf_counter_ns() if trace is not None else 0
+            try:
                 yield from _bridge.wait(self._register).__await__()
-            else:
-                began = time.perf_counter_ns()
-                try:
-                    yield from _bridge.wait(self._register).__await__()
-                finally:
+            except BaseException:
+                self._given_up = not self._finished  # cancelled: see ACCL._settle
+                raise
+            finally:
+                if trace is not None:
                     rank = getattr(self.owner, "rank", 0)
                     trace.add(rank, "host", f"await {self.name.split(' (')[0]}", began,
                               time.perf_counter_ns(), call=self.name)

@@ -298,23 +298,42 @@ def run(main: Callable[[ACCL], Awaitable[T]], world_size: int | None = None, *,
         results: dict[int, Any] = {}
 
         async with open_world(world_size, **options) as accls:
+            one_of_many = len(accls) == 1 and accls[0].size > 1  # one rank of an MPI job
+
             async def rank(accl: ACCL) -> None:
                 try:
                     results[accl.rank] = await main(accl)
+                    # done: what it sent may still be needed; then it leaves, so that
+                    # calls still waiting for it fail at once
+                    await accl._settle()
+                    accl._depart("its program returned")
                 except Exception as exc:
                     errors[accl.rank] = exc
                     if not isinstance(exc, Aborted):
                         reason = f"rank {accl.rank} raised {type(exc).__name__}: {exc}"
                         for each in accls:
                             each._abort(reason)
-                    raise
+                        if one_of_many:  # the others' calls waiting for us fail now
+                            accl._depart(reason)
+                    if not one_of_many:
+                        raise
 
             async with anyio.create_task_group() as tasks:
                 for accl in accls:
                     tasks.start_soon(rank, accl)
-            if len(accls) == 1 and accls[0].size > 1:  # one rank of an MPI job
-                return await anyio.to_thread.run_sync(_gather_results, results[accls[0].rank],
-                                                      options.get("timeout", 10.0))
+            if one_of_many:
+                me = accls[0].rank
+                outcome = (me in errors, f"{type(errors[me]).__name__}: {errors[me]}"
+                           if me in errors else results[me])
+                everyone = await anyio.to_thread.run_sync(_gather_results, outcome,
+                                                          options.get("timeout", 10.0))
+                if me in errors:
+                    raise errors[me]
+                failed = [(r, text) for r, (bad, text) in enumerate(everyone) if bad]
+                failed = [f for f in failed if not f[1].startswith("Aborted:")] or failed
+                if failed:
+                    raise ACCLError("; ".join(f"rank {r} failed: {text}" for r, text in failed))
+                return [value for _, value in everyone]
         return [results[r] for r in range(len(results))]
 
     try:

@@ -219,6 +219,7 @@ class SoftCall:
     def describe(self) -> str:
         return _describe(self.args)
 
+
     def waiting_for(self, wait: Wait) -> str:
         """What the call waits for, in words, for a timeout's message."""
         peers = self.peers_waited(wait)
@@ -275,6 +276,13 @@ class SoftCall:
             if not wait.done:
                 break
             value, error = wait.value, None
+        if self.dev.gone:  # waits for a rank that left the world: it never comes
+            gone = [p for p in self.peers_waited(wait) if p in self.dev.gone]
+            if gone and wait.expire():
+                self.aborting = self.aborting or Aborted(
+                    f"rank {gone[0]} left the world: {self.dev.gone[gone[0]]}")
+                self.resume(None, CallFailed(ErrorCode.RECEIVE_TIMEOUT_ERROR))
+                return
         self.waiting = wait
         wait.waiter = self._wake
         if wait.timeout_code:
@@ -356,6 +364,7 @@ class SendCall(SoftCall):
     def peers_waited(self, wait: Wait) -> list[int]:
         return [self.comm.sessions[self.args.root_src_dst]]
 
+
     def waiting_for(self, wait: Wait) -> str:
         return (f"rank {self.peers_waited(wait)[0]} to receive its message (no matching "
                 f"recv(src={self.comm.rank}, tag={self.args.tag}) ran there)")
@@ -406,6 +415,7 @@ class RecvCall(SoftCall):
 
     def peers_waited(self, wait: Wait) -> list[int]:
         return [self.src]
+
 
     def waiting_for(self, wait: Wait) -> str:
         tag = "any tag" if self.args.tag == TAG_ANY else f"tag {self.args.tag}"
@@ -578,7 +588,8 @@ class ScheduleCall(SoftCall):
         missing = getattr(wait, "missing", None)
         if missing is not None and self.comm is not None:
             return [self.comm.sessions[r] for r in missing()]
-        return []
+        dst = getattr(wait, "dst", None)  # over MPI: a payload a peer is to take
+        return [] if dst is None else [dst]
 
     def _meets(self) -> bool:
         """In process, a small allreduce meets its peers in shared memory."""

@@ -53,6 +53,8 @@ class SoftDevice:
         self._jobs = HostJobs(f"soft-cclo-{session}")
         self.closed = False
         self.last: str | None = None  # the last call admitted, described
+        self.gone: dict[int, str] = {}  # peers (sessions) that left the world, and why
+        self.inbox.on_leave = self._peer_left
         register = getattr(port, "register", None)
         if register is not None:
             register(self.activity)
@@ -261,6 +263,38 @@ class SoftDevice:
                 msg = Message(self.session, ("abort", comm.key, seq), seq, 0, None, eager=True)
                 msg.notice = (0, reason)
                 self.port.post(peer, msg, 0)
+
+    def leave(self, reason: str, peers: Sequence[int]) -> None:
+        """Tell `peers` (sessions) that this rank leaves the world, and why: their
+        calls that need this rank fail at once instead of at their timeout."""
+        self.engine.post(self._leave, reason, tuple(peers))
+
+    def _leave(self, reason: str, peers: tuple[int, ...]) -> None:
+        for peer in peers:
+            if peer != self.session:
+                msg = Message(self.session, ("leave",), 0, 0, None, eager=True)
+                msg.notice = (0, reason)
+                self.port.post(peer, msg, 0)
+
+    def _peer_left(self, session: int, reason: str) -> None:
+        """A peer left (engine context): calls here that wait for it end now, and
+        later ones as soon as they would wait for it (SoftCall.resume). What it sent
+        before it left is still received."""
+        self.gone[session] = reason
+        error = Aborted(f"rank {session} left the world: {reason}")
+        for call in list(self._calls):
+            if call.waiting is not None and session in call.peers_waited(call.waiting):
+                call.abort_now(error)
+
+    def abort_call(self, handle: DeviceCall, reason: str) -> None:
+        """End one outstanding call (by its handle) with `Aborted(reason)`."""
+        self.engine.post(self._abort_call, handle, reason)
+
+    def _abort_call(self, handle: DeviceCall, reason: str) -> None:
+        for call in self._calls:
+            if call.handle is handle:
+                call.abort_now(Aborted(reason))
+                return
 
     def abort(self, reason: str) -> None:
         """End every outstanding call at once with `Aborted(reason)` (any thread)."""

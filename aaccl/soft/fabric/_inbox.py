@@ -114,6 +114,7 @@ class Inbox:
         self._members: dict[Key, _Member] = {}  # our running collectives, by prefix
         self._seen: dict[Key, tuple[int, Fingerprint, str]] = {}  # before we joined
         self._failed: dict[Key, Failure] = {}  # notices for collectives we have not joined
+        self.on_leave: Callable[[int, str], None] | None = None  # a peer left its world
         self._orders = itertools.count()
         self.rx: RxPool | None = None
 
@@ -130,6 +131,10 @@ class Inbox:
         kind = msg.key[0]
         if kind == "abort":
             self._notice(msg)
+            return True
+        if kind == "leave":
+            if self.on_leave is not None and msg.notice is not None:
+                self.on_leave(msg.src, msg.notice[1])
             return True
         if kind == "coll":
             self._check(msg)

@@ -14,8 +14,9 @@ if TYPE_CHECKING:
     from ._inbox import Inbox
 
 Key = tuple[Any, ...]
-"""A message's matching key: ("p2p", comm), ("coll", comm, seq, scenario, tag), or
-("abort", comm, seq) for a notice that collective `seq` failed on the sender."""
+"""A message's matching key: ("p2p", comm), ("coll", comm, seq, scenario, tag),
+("abort", comm, seq) for a notice that collective `seq` failed on the sender, or
+("leave",) for a notice that the sender left its world."""
 
 Fingerprint = tuple[Any, ...]
 """What must agree between the ranks of one collective (operation, count, types,
