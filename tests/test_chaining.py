@@ -526,6 +526,7 @@ async def test_awaiting_a_dependent_reports_the_original_failure(caplog) -> None
             assert _failure_logs(caplog, name) == []
 
 
+@pytest.mark.filterwarnings("ignore:Call .* was never awaited:RuntimeWarning")
 async def test_successful_unawaited_call_is_not_logged(caplog) -> None:
     async with aaccl.open_world(1, timeout=5) as (accl,):
         call = accl.nop()
@@ -539,6 +540,7 @@ async def test_successful_unawaited_call_is_not_logged(caplog) -> None:
 
 # -- lifetime of an ACCL ------------------------------------------------------------------------
 
+@pytest.mark.filterwarnings("ignore:Call .* was never awaited:RuntimeWarning")
 async def test_closing_a_world_waits_for_outstanding_calls() -> None:
     n = 3000
     data = np.arange(n, dtype=np.float32)
@@ -558,6 +560,7 @@ async def test_closing_a_world_waits_for_outstanding_calls() -> None:
     await got
 
 
+@pytest.mark.filterwarnings("ignore:Call .* was never awaited:RuntimeWarning")
 async def test_leaving_an_accl_context_waits_and_closes_it() -> None:
     async with aaccl.open_world(2, timeout=0.3) as (a, b):
         async with b:

@@ -270,6 +270,7 @@ async def test_cancelling_the_awaiting_task_leaves_the_chain_running() -> None:
         await run_ranks(accls, again)
 
 
+@pytest.mark.filterwarnings("ignore:Call .* was never awaited:RuntimeWarning")
 async def test_closing_waits_for_outstanding_kernels() -> None:
     release = threading.Event()
     finished: list[bool] = []
@@ -320,8 +321,10 @@ async def test_bad_kernels_and_arguments_fail_before_anything_runs() -> None:
         kernel = a.kernel(lambda *args: ran.append(1))
         with pytest.raises(ValueError, match="argument 0 of <lambda> belongs to another rank"):
             kernel(b.allocate(3))
+        theirs = b.nop()
         with pytest.raises(ValueError, match="belongs to another rank"):
-            kernel(a.allocate(3), waitfor=[b.nop()])
+            kernel(a.allocate(3), waitfor=[theirs])
+        await theirs
         with pytest.raises(TypeError, match="waitfor takes Calls"):
             kernel(waitfor=[object()])
         with pytest.raises(TypeError, match="Buffer from ACCL.allocate"):
