@@ -174,7 +174,7 @@ class Call:
         # that did not fail (or never finished) and was never used warns.
         if self._error is not None:
             # an Aborted call's world ended early: that cause is reported, not each call
-            if not self._retrieved and not isinstance(self._error, Aborted):
+            if not self._retrieved and not isinstance(_root_cause(self._error), Aborted):
                 log.error("%s failed and nobody awaited it: %s", self.name, self._error)
         elif not self._used:
             # Where it is collected says nothing (often the device's thread): name the

@@ -564,7 +564,7 @@ class ScheduleCall(SoftCall):
         if prefix is None or comm is None:
             return
         self.dev.inbox.leave(prefix)
-        if self.quiet or comm.size == 1:
+        if self.quiet or comm.size == 1 or self.dev.silent:
             return
         self.quiet = True
         me = self.dev.session

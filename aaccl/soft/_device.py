@@ -54,6 +54,7 @@ class SoftDevice:
         self.closed = False
         self.last: str | None = None  # the last call admitted, described
         self.gone: dict[int, str] = {}  # peers (sessions) that left the world, and why
+        self.silent = False  # aborted whole: failing calls send no notices
         self.inbox.on_leave = self._peer_left
         register = getattr(port, "register", None)
         if register is not None:
@@ -301,6 +302,10 @@ class SoftDevice:
         self.engine.post(self._abort, Aborted(reason))
 
     def _abort(self, error: Aborted) -> None:
+        # every call of this CCLO ends, as do its world's (or it leaves, and says so
+        # once): no notice per collective, which for thousands of calls on many
+        # ranks would cost more than the abort itself
+        self.silent = True
         for call in list(self._calls):
             call.abort_now(error)
 
