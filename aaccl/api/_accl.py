@@ -293,11 +293,14 @@ class ACCL:
                  0 if b2 is None else b2.device_address)
         device_call = self._driver.start(scenario, addrs=addrs, waitfor=waits, **call)
         finish = None if sync_out is None else sync_out.sync_from_device
+        comm_id = call.get("comm_id", GLOBAL_COMM)
         return self._track(op, "cclo", device_call, deps, submitted, finish,
                            tuple([b for b in buffers if b is not None]),
                            reads=reads, writes=writes, hazards=hazards,
                            sync_out=_spans((sync_out, sync_out.size)) if sync_out is not None
-                           else ())
+                           else (),
+                           # errors name the communicator where it is not the world
+                           where="" if comm_id == GLOBAL_COMM else f", communicator {comm_id}")
 
     def _order(self, deps: tuple[Call, ...], waits: list[DeviceCall], reads: tuple[Span, ...],
                writes: tuple[Span, ...], sync_in: Sequence[Buffer] = (),
@@ -347,14 +350,14 @@ class ACCL:
                submitted: int, finish: Callable[[], None] | None = None,
                buffers: tuple[object, ...] = (), *, reads: tuple[Span, ...] = (),
                writes: tuple[Span, ...] = (), hazards: tuple[Call, ...] = (),
-               sync_out: tuple[Span, ...] = ()) -> Call:
+               sync_out: tuple[Span, ...] = (), where: str = "") -> Call:
         """The Call of a submitted device call, kept (with the memory it uses) until
         it completes."""
         self._ncalls += 1
         trace = _trace.active() if submitted else None  # submitted is 0 unless tracing
         if trace is not None:
             self._record(trace, op, engine, device_call, submitted)
-        result = Call(f"{op} (rank {self._rank}, call {self._ncalls})", self, device_call,
+        result = Call(f"{op} (rank {self._rank}, call {self._ncalls}{where})", self, device_call,
                       deps + hazards, finish, self._forget, buffers)
         with self._lock:
             finished = result.done()
