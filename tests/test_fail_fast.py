@@ -4,6 +4,7 @@ that keep their place, world aborts, and errors that name what went wrong."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -324,3 +325,35 @@ async def test_a_call_given_up_by_wait_for_does_not_hold_the_world_at_exit() -> 
     assert time.monotonic() - start < FAST  # ... until the world closes and aborts it
     with pytest.raises(aaccl.Aborted, match="its await was cancelled"):
         await call
+
+
+def test_ctrl_c_to_an_aaccl_launch_job_ends_every_rank_at_once(tmp_path) -> None:
+    """SIGINT to `aaccl launch` while rank 1 waits (timeout=30) for a live rank
+    that never sends: the job ends within 2 s, non-zero, with no rank left."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        pytest.skip("no mpiexec beside this Python (pip install 'aaccl[mpi]')")
+    script = tmp_path / "ctrl_c_job.py"
+    script.write_text(textwrap.dedent("""
+        import aaccl, anyio
+        async def main(accl):
+            b = accl.allocate(4)
+            if accl.rank == 1:
+                print("waiting", flush=True)
+                await accl.recv(b, 4, 0, tag=1)
+            else:
+                await anyio.sleep(3600)
+        aaccl.run(main, timeout=30)
+    """))
+    proc = subprocess.Popen([sys.executable, "-m", "aaccl", "launch", "-n", "2", str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    while proc.stdout.readline().strip() != "waiting":
+        assert proc.poll() is None, proc.communicate()
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < FAST, err
+    left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout
+    assert not left.strip(), f"ranks left running: {left}"
