@@ -241,26 +241,37 @@ def assert_timed_out(job: Job, ranks: list[int]) -> None:
 
 @needs_hydra
 @pytest.mark.parametrize("nprocs", [2, 3])
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 13: the killed rank's allreduce now leaves its process at submission, so its "
-    "payload is in flight when it dies; survivors then read from a dead process inside "
-    "MPICH/UCX (process_vm_readv: No such process -> abort; a later Isend to the failed "
-    "endpoint segfaults) before aaccl's timeout can report"))
 def test_killed_rank_survivors_fail_with_receive_timeout(nprocs: int) -> None:
-    """The last rank SIGKILLs itself in the middle of a collective; the others fail
-    with RECEIVE_TIMEOUT_ERROR within about the timeout, say which call failed, and
-    exit non-zero: nothing hangs (not even MPI_Finalize, which waits for the dead rank
-    unless aaccl lets it skip its barrier).
+    """The last rank SIGKILLs itself in the middle of a collective, its payload in
+    flight; under `aaccl launch` the others fail with RECEIVE_TIMEOUT_ERROR within about
+    the timeout, say which call failed, and exit non-zero: nothing hangs (not even
+    MPI_Finalize, which waits for the dead rank unless aaccl lets it skip its barrier).
 
-    hydra kills every rank of a proxy as soon as one of them dies of a signal, even
-    with -disable-auto-cleanup; one proxy per rank (as on separate machines) leaves
-    the survivors running, and -disable-auto-cleanup keeps hydra from killing them."""
-    hosts = ",".join(f"127.0.0.{i + 1}" for i in range(nprocs))
-    job = launch(nprocs, "faults.py", "kill", f"timeout={TIMEOUT}", limit=FAULT_LIMIT,
-                 mpiexec_options=("-disable-auto-cleanup", "-launcher", "fork",
-                                  "-hosts", hosts, "-ppn", "1"))
+    `aaccl launch` runs every rank under a supervisor process, so hydra's proxy (which
+    kills all its ranks when one dies of a signal) sees a normal exit, and passes
+    -disable-auto-cleanup, so hydra does not kill the survivors either. MPICH then
+    moves the ranks' messages through shared memory, where a survivor that reads a dead
+    sender's memory (CMA) gets an MPI error, which the MPI fabric survives."""
+    cmd = [sys.executable, "-m", "aaccl", "launch", "-n", str(nprocs),
+           str(WORKERS / "faults.py"), "kill", f"timeout={TIMEOUT}"]
+    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OPENBLAS_NUM_THREADS": "1",
+           "OMP_NUM_THREADS": "1"}
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=FAULT_LIMIT)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc.pid)
+        out, err = proc.communicate()
+        job = Job(cmd, proc.returncode, out, err, time.monotonic() - started)
+        pytest.fail(f"the job did not end within {FAULT_LIMIT} s: it hangs{job.explain()}")
+    job = Job(cmd, proc.returncode, out, err, time.monotonic() - started)
     assert_timed_out(job, list(range(nprocs - 1)))
     assert nprocs - 1 not in job.faults(), job.explain()
+    assert job.returncode == 128 + signal.SIGKILL, job.explain()  # the victim's status
 
 
 def test_killed_rank_with_default_cleanup_ends_the_job() -> None:

@@ -248,16 +248,24 @@ async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: 
         # RECEIVE_TIMEOUT_ERROR would hang at exit. Closing a world is collective
         # already: let finalize skip its barrier (set it to 0 to keep MPICH's default).
         os.environ.setdefault("MPIR_CVAR_NO_COLLECTIVE_FINALIZE", "1")
+    from ..soft import MPIFabric
+
+    def notice(signum: int, frame: Any) -> None:
+        MPIFabric.process_lost("a process of this MPI job ended (hydra's SIGUSR1)")
+
     if threading.current_thread() is threading.main_thread() \
-            and signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL:
-        # Hydra signals the survivors of a rank that died with SIGUSR1, whose default
-        # action kills them silently: let them live to report their timeouts instead.
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+            and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, signal.SIG_IGN):
+        # Under `mpiexec -disable-auto-cleanup` (as `aaccl launch` runs jobs), hydra
+        # sends SIGUSR1 to every process of the job when one of them ends without
+        # telling it (one that died; with MPICH 5, any that exits). Its default action
+        # kills silently: survivors must live to report their timeouts. While the world
+        # is open the signal tells it to close without waiting for peers that are gone;
+        # afterwards (MPI_Finalize included) it is ignored.
+        signal.signal(signal.SIGUSR1, notice)
     try:
         from mpi4py import MPI
     except ImportError:
         raise ImportError("the MPI fabric needs mpi4py: pip install 'aaccl[mpi]'") from None
-    from ..soft import MPIFabric
 
     size = MPI.COMM_WORLD.Get_size()
     if world_size is not None and world_size != size:
@@ -277,6 +285,8 @@ async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: 
     finally:
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(fabric.close, timeout)
+        if signal.getsignal(signal.SIGUSR1) is notice:
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def run(main: Callable[[ACCL], Awaitable[T]], world_size: int | None = None, *,

@@ -45,20 +45,20 @@ def command(mpiexec: str, nprocs: int, program: Sequence[str], hostfile: str | N
         cmd += ["-f" if hydra else "--hostfile", hostfile]
     if hydra:
         # A rank that dies must not take its peers down before they can report
-        # which call failed; aaccl's timeouts make sure nobody waits forever. Hydra's
-        # proxy kills every rank it runs when one dies of a signal, so on this
-        # machine each rank gets a proxy of its own (one "host" per loopback address).
+        # which call failed; aaccl's timeouts make sure nobody waits forever, and its
+        # worlds exit soon after. Hydra's proxy also kills every rank it runs when one
+        # dies of a signal: each rank runs under a supervisor (_rank.py) that exits
+        # normally instead. All ranks of a machine share one proxy, so MPICH moves
+        # their messages through shared memory.
         cmd.append("-disable-auto-cleanup")
-        if not hostfile:
-            hosts = ",".join(f"127.0.0.{i + 1}" for i in range(nprocs))
-            cmd += ["-launcher", "fork", "-hosts", hosts, "-ppn", "1"]
-    # each rank records its own exit status (see _rank.py)
+    # each rank: a supervisor that records the program's exit status (see _rank.py)
     return cmd + [sys.executable, "-m", "aaccl.cli._rank", *program]
 
 
 def job_status(launcher: int, recorded: Sequence[int], nprocs: int) -> int:
     """The job's exit status: the worst of the ranks' own statuses when every rank
-    recorded one; otherwise (a rank died, say of a signal) the launcher's."""
+    recorded one (128 + N for a program killed by signal N); otherwise (a supervisor
+    itself was killed) the launcher's."""
     if len(recorded) == nprocs:
         return max(recorded)
     return launcher or 1

@@ -13,14 +13,29 @@ buffers are free again). Within that window an eager send completes as soon as
 MPI has a copy of the data; beyond it, or for messages above the eager threshold,
 the send completes when a receive has taken the data (acknowledged then: the
 payload is the receiver's own copy), and a sender that times out withdraws it.
+
+A process of the job may die at any moment (killed, out of memory). Nothing here
+waits on one peer inside MPI: payloads are received with nonblocking receives that
+the progress thread tests (their messages are still delivered in order), an MPI error
+(MPICH reports one when it cannot read a dead sender's memory) drops that message and
+the progress thread goes on, and the calls waiting for the dead peer fail on their
+own timeouts. Closing stops waiting for the other ranks once a process of the job is
+known to be dead (hydra tells the survivors with SIGUSR1, see `process_lost`), and
+then watches the interpreter's exit: if MPI's finalization outlasts EXIT_GRACE
+seconds, SIGALRM ends the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import pickle
+import signal
 import threading
 import time
+import weakref
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -39,6 +54,15 @@ SPIN = 0.0005
 sleep(0) between polls (a loop without any sleep would keep the GIL, for up to the
 interpreter's 5 ms switch interval, from the threads a message has just woken); then
 it naps IDLE_SLEEP between polls, leaving the cores to compute."""
+
+
+JOIN_LIMIT = 5.0
+"""Seconds `close` waits for the progress thread to stop."""
+EXIT_GRACE = 5
+"""Seconds a process whose world lost a peer may take to exit, MPI_Finalize included."""
+
+_open: weakref.WeakSet[MPIFabric] = weakref.WeakSet()
+_ended: str | None = None
 
 
 def _payload_tag(msg_id: int) -> int:
@@ -62,7 +86,12 @@ class MPIFabric:
         self._used = [0] * self.size  # eager segments awaiting ack, per destination
         self._waiting: dict[int, _Awaited] = {}  # non-eager sends awaiting ack, by id
         self._incoming: dict[tuple[int, int], Message] = {}  # non-eager, by (src, id)
+        # per source, what arrived and waits (behind a payload still coming) to be handled
+        self._arriving: dict[int, deque[tuple[Any, Callable[..., Any], tuple[Any, ...]]]] = {}
+        self.lost: str | None = None  # why a peer is known to be gone, if one is
+        self.mpi_errors: list[str] = []  # what MPI reported (about dead peers), first few
         self._closed = False
+        _open.add(self)
         self._thread = threading.Thread(target=self._progress, name=f"aaccl-mpi-{self.rank}",
                                         daemon=True)
         self._thread.start()
@@ -88,18 +117,24 @@ class MPIFabric:
                 request = self._waiting[msg_id] = _Awaited(self, dst, msg_id, timeout_code)
         if eager and payload is not None:
             payload = payload.copy()  # the send completes now: MPI must not read our memory
-        header = (msg_id, msg.key, msg.seq, msg.tag, eager, msg.tombstone, nbytes)
+        header = (msg_id, msg.key, msg.seq, msg.tag, eager, msg.tombstone, nbytes, msg.fp,
+                  msg.desc, msg.notice)
         self._send_obj(header, dst, HEADER)
         if nbytes:
-            self._track(self.comm.Isend([payload, nbytes, _BYTE()], dst, _payload_tag(msg_id)),
-                        payload)
+            self._isend([payload, nbytes, _BYTE()], dst, _payload_tag(msg_id), payload)
         return request
 
     def _send_obj(self, obj: object, dst: int, tag: int) -> None:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        self._track(self.comm.Isend([data, len(data), _BYTE()], dst, tag), data)
+        self._isend([data, len(data), _BYTE()], dst, tag, data)
 
-    def _track(self, request: Any, keepalive: object) -> None:
+    def _isend(self, buf: Any, dst: int, tag: int, keepalive: object) -> None:
+        """Start an MPI send; `keepalive` (what it reads) lives until it completes."""
+        try:
+            request = self.comm.Isend(buf, dst, tag)
+        except _mpi_exception() as error:  # MPI failed (a peer died): this message is lost
+            self._mpi_error(error)
+            return
         with self._lock:
             self._in_flight.append((request, keepalive))
 
@@ -111,38 +146,58 @@ class MPIFabric:
         status = MPI.Status()
         last = time.monotonic()
         while not self._closed:
-            # MPICH's Improbe matches what it has already taken in, then makes
-            # progress: a message that came during a nap is found by a second probe
-            message = (self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-                       or self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status))
-            if message is None:
-                self._reap()
-                time.sleep(IDLE_SLEEP if time.monotonic() - last > SPIN else 0)
+            try:
+                # MPICH's Improbe matches what it has already taken in, then makes
+                # progress: a message that came during a nap is found by a second probe
+                message = (self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+                           or self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status))
+                if message is not None:
+                    last = time.monotonic()
+                    self._take(message, status)
+                if self._arriving:
+                    self._arrivals()
+            except MPI.Exception as error:  # a peer died mid-message: that one is lost
+                self._mpi_error(error)
+                time.sleep(IDLE_SLEEP)
                 continue
-            last = time.monotonic()
-            if len(self._in_flight) > 64:
-                self._reap()
-            src, tag = status.Get_source(), status.Get_tag()
-            data = bytearray(status.Get_count(MPI.BYTE))
-            message.Recv([data, MPI.BYTE])
-            obj = pickle.loads(data)
-            if tag == HEADER:
-                self._receive(src, *obj)
-            elif tag == ACK:
-                self._acked(obj)
-            elif tag == WITHDRAW:
-                msg = self._incoming.pop((src, obj), None)
-                if msg is not None:
-                    self.engine.post(self.inbox.withdraw, msg)
+            if message is None:
+                if self._arriving:  # payloads on their way: poll on, letting threads run
+                    last = time.monotonic()
+                    time.sleep(0)
+                else:
+                    self._reap()
+                    time.sleep(IDLE_SLEEP if time.monotonic() - last > SPIN else 0)
+
+    def _take(self, message: Any, status: Any) -> None:
+        """Receive a control message (a header, an ack, a withdrawal) and act on it."""
+        if len(self._in_flight) > 64:
+            self._reap()
+        src, tag = status.Get_source(), status.Get_tag()
+        data = bytearray(status.Get_count(_BYTE()))
+        message.Recv([data, _BYTE()])
+        obj = pickle.loads(data)
+        if tag == HEADER:
+            self._receive(src, *obj)
+        elif tag == ACK:
+            self._acked(obj)
+        elif tag == WITHDRAW:  # handled after the message it withdraws
+            self._arrive(src, None, self._withdrawn, src, obj)
+
+    def _withdrawn(self, src: int, msg_id: int) -> None:
+        msg = self._incoming.pop((src, msg_id), None)
+        if msg is not None:
+            self.engine.post(self.inbox.withdraw, msg)
 
     def _receive(self, src: int, msg_id: int, key: Any, seq: int, tag: int, eager: bool,
-                 tombstone: bool, nbytes: int) -> None:
-        payload = None
+                 tombstone: bool, nbytes: int, fp: Any = None, desc: str | None = None,
+                 notice: tuple[int, str] | None = None) -> None:
+        payload, request = None, None
         if not tombstone:
             payload = np.empty(nbytes, np.uint8)
-            if nbytes:
-                self.comm.Recv([payload, nbytes, _BYTE()], src, _payload_tag(msg_id))
+            if nbytes:  # never a blocking receive: the sender may die before it is done
+                request = self.comm.Irecv([payload, nbytes, _BYTE()], src, _payload_tag(msg_id))
         msg = Message(src, key, seq, tag, payload, eager, tombstone)
+        msg.fp, msg.desc, msg.notice = fp, desc, notice
         if not tombstone and (nbytes or not eager):  # the sender waits for our ack
 
             def acknowledge() -> None:
@@ -154,7 +209,37 @@ class MPIFabric:
             else:  # the payload is our own copy: the send is done once a receive has it
                 msg.on_taken = acknowledge
                 self._incoming[(src, msg_id)] = msg  # until then, the sender may withdraw it
-        self.engine.post(self.inbox.deliver, msg)
+        self._arrive(src, request, self.engine.post, self.inbox.deliver, msg)
+
+    def _arrive(self, src: int, request: Any, action: Callable[..., Any], *args: Any) -> None:
+        """Do `action(*args)` once `request` (a payload's receive, or None) is complete
+        and everything that arrived from `src` before it is done: in arrival order."""
+        queue = self._arriving.get(src)
+        if queue is None:
+            if request is None or request.Test():
+                action(*args)
+                return
+            queue = self._arriving[src] = deque()
+        queue.append((request, action, args))
+
+    def _arrivals(self) -> None:
+        """Handle what has arrived in full, source by source, in order."""
+        for src in list(self._arriving):
+            queue = self._arriving[src]
+            while queue:
+                request, action, args = queue[0]
+                if request is not None:
+                    try:
+                        if not request.Test():
+                            break
+                    except _mpi_exception() as error:  # MPI could not finish it: its sender died
+                        queue.popleft()
+                        self._mpi_error(error)
+                        continue
+                queue.popleft()
+                action(*args)
+            if not queue:
+                del self._arriving[src]
 
     def _acked(self, msg_id: int) -> None:
         with self._lock:
@@ -169,7 +254,7 @@ class MPIFabric:
         """Forget MPI sends that have completed (and the buffers they kept alive)."""
         with self._lock:
             if self._in_flight:
-                self._in_flight = [item for item in self._in_flight if not item[0].Test()]
+                self._in_flight = [item for item in self._in_flight if not _finished(item[0])]
 
     def _withdraw(self, dst: int, msg_id: int) -> bool:
         """Give up on a non-eager send; False if it was acknowledged meanwhile."""
@@ -179,20 +264,55 @@ class MPIFabric:
         self._send_obj(msg_id, dst, WITHDRAW)
         return True
 
+    def _mpi_error(self, error: BaseException) -> None:
+        """MPI failed a call or a message (after a peer died, mid-transfer)."""
+        if len(self.mpi_errors) < 10:
+            self.mpi_errors.append(" ".join(str(error).split()))
+        self.lost = self.lost or f"MPI reported an error: {self.mpi_errors[0]}"
+
     # -- lifetime -------------------------------------------------------------------
 
+    @staticmethod
+    def process_lost(reason: str) -> None:
+        """A process of this MPI job has ended without telling its launcher (hydra
+        signals the others with SIGUSR1; with MPICH 5, whenever a process exits): open
+        fabrics stop waiting for their peers when they close, and `ended` says so from
+        now on. Safe in a signal handler (it takes no lock)."""
+        global _ended
+        _ended = _ended or reason
+        for fabric in list(_open):
+            fabric.lost = fabric.lost or reason
+
+    @staticmethod
+    def ended() -> str | None:
+        """Why a process of this MPI job is known to have ended (see `process_lost`),
+        or None: a wait for every rank (a barrier) after that may never finish."""
+        return _ended
+
     def close(self, timeout: float) -> None:
-        """Wait (up to `timeout`) for every rank to get here, so no acknowledgement is
-        still on its way, then stop the progress thread and free the communicator."""
-        barrier = self.comm.Ibarrier()
-        deadline = time.monotonic() + timeout
-        while not barrier.Test() and time.monotonic() < deadline:
-            time.sleep(IDLE_SLEEP)
+        """Wait (up to `timeout`, or until a process of the job is known to be dead) for
+        every rank to get here, so no acknowledgement is still on its way, then stop the
+        progress thread and free the communicator. If the ranks did not all get here,
+        the exit of this process is watched (`watch_exit`)."""
+        from mpi4py import MPI
+
+        done = False
+        try:
+            barrier = self.comm.Ibarrier()
+            deadline = time.monotonic() + timeout
+            while not (done := barrier.Test()) and self.lost is None \
+                    and time.monotonic() < deadline:
+                time.sleep(IDLE_SLEEP)
+        except MPI.Exception as error:
+            self._mpi_error(error)
         self._closed = True
-        self._thread.join()
+        self._thread.join(JOIN_LIMIT)
+        _open.discard(self)
+        if not done or self._thread.is_alive():  # a peer is gone, or MPI hangs in here
+            watch_exit()
+            return
         self._reap()
-        if barrier.Test():
-            self.comm.Free()
+        self.comm.Free()
 
 
 class _Awaited(Wait):
@@ -219,6 +339,41 @@ class MPIPort:
 
     def close(self) -> None:
         pass
+
+
+_watching = False
+
+
+def watch_exit() -> None:
+    """Make sure this process ends soon after it starts to exit: MPI_Finalize, which
+    mpi4py calls after the interpreter's atexit functions, may wait for a dead peer.
+    At exit, SIGALRM is armed to end the process EXIT_GRACE seconds later, unless the
+    program handles SIGALRM or has an alarm of its own pending."""
+    global _watching
+    if not _watching:
+        _watching = True
+        atexit.register(_arm_exit_alarm)
+
+
+def _arm_exit_alarm() -> None:
+    if signal.getsignal(signal.SIGALRM) is signal.SIG_DFL:
+        pending = signal.alarm(EXIT_GRACE)
+        if pending:  # the program's own alarm: keep it
+            signal.alarm(pending)
+
+
+def _finished(request: Any) -> bool:
+    """An MPI request that is done, or that MPI failed (its peer died)."""
+    try:
+        return bool(request.Test())
+    except _mpi_exception():
+        return True
+
+
+def _mpi_exception() -> type[Exception]:
+    from mpi4py import MPI
+
+    return MPI.Exception
 
 
 def _BYTE() -> Any:

@@ -1,0 +1,290 @@
+"""A process killed in the middle of large allreduces, as real MPI processes.
+
+Each trial starts a job whose ranks run 16 MiB allreduces in a loop (timeout=5), kills
+a random rank with SIGKILL or SIGTERM once every rank has finished one, and checks
+what DESIGN.md promises ("Fail fast, everywhere, and say why"; a killed process):
+
+- under `aaccl launch`, every survivor reports a failed call (an ACCLError) within the
+  timeout, and exits;
+- the job exits with a non-zero status within the timeout + 15 s: never a hang;
+- no process of the job (ranks, their supervisors, hydra's proxy, mpiexec) is left.
+
+Under plain `mpiexec -n N`, hydra kills every rank as soon as one dies of a signal, so
+nobody reports; the job still ends at once, non-zero, with nothing left.
+benchmarks/bench_faults.py runs the same trials and prints their figures.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mpi4py")  # the package only: MPI itself starts in the jobs
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 5.0  # aaccl's timeout in the jobs
+GRACE = 15.0  # a job must be gone this long after the timeout
+MARK = "aaccl-fault"
+
+WORKER = f'''
+import os, sys
+import numpy as np
+import aaccl
+from aaccl import ReduceFunction
+
+COUNT = 4 << 20  # 16 MiB of float32
+
+
+def say(text):
+    sys.stdout.write(text + "\\n")
+    sys.stdout.flush()
+
+
+async def main(accl):
+    src, dst = accl.allocate(COUNT, np.float32), accl.allocate(COUNT, np.float32)
+    src[:] = 1
+    src.sync_to_device()
+    rounds = 0
+    while True:
+        try:
+            await accl.allreduce(src, dst, COUNT, ReduceFunction.SUM, from_fpga=True,
+                                 to_fpga=True)
+        except aaccl.ACCLError as exc:
+            say(f"{MARK}-error rank={{accl.rank}} {{type(exc).__name__}}: {{exc}}")
+            raise
+        rounds += 1
+        if rounds == 1:
+            say(f"{MARK}-ready rank={{accl.rank}} pid={{os.getpid()}}")
+
+
+aaccl.run(main, timeout=float(sys.argv[1]))
+'''
+
+
+def _mpiexec() -> str | None:
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+MPIEXEC = _mpiexec()
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install 'aaccl[mpi]')")
+
+
+# -- processes ------------------------------------------------------------------------------
+
+def _children() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def _descendants(pid: int) -> set[int]:
+    children, found, todo = _children(), set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _with_marker(marker: str) -> set[int]:
+    """Processes whose command line holds `marker`: every rank (and its supervisor) of
+    one job, and mpiexec."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    found.add(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running: not gone, not a zombie (which has exited, unreaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _kill(pids: set[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+# -- one trial ------------------------------------------------------------------------------
+
+@dataclass
+class Trial:
+    launcher: str
+    nprocs: int
+    signal: str
+    victim: int = -1
+    pids: dict[int, int] = field(default_factory=dict)  # rank -> pid of its program
+    reports: dict[int, tuple[float, str]] = field(default_factory=dict)  # after the kill
+    returncode: int | None = None
+    exit_after: float | None = None  # seconds from the kill to the job's exit
+    hung: bool = False
+    leftovers: list[int] = field(default_factory=list)
+    stdout: str = ""
+    stderr: str = ""
+
+    def explain(self) -> str:
+        def tail(text: str) -> str:
+            return text if len(text) < 5000 else "...\n" + text[-5000:]
+
+        return (f"\n{self.launcher} launch of {self.nprocs} ranks, rank {self.victim} "
+                f"(pid {self.pids.get(self.victim)}) killed with SIG{self.signal}: exit status "
+                f"{self.returncode} {self.exit_after and round(self.exit_after, 2)} s after the "
+                f"kill, reports {self.reports}, leftovers {self.leftovers}\n--- stdout\n"
+                f"{tail(self.stdout)}\n--- stderr\n{tail(self.stderr)}")
+
+
+def run_trial(worker: Path, launcher: str, nprocs: int, sig: str,
+              rng: random.Random) -> Trial:
+    """Start the job, kill a random rank once all are under way, wait for the end."""
+    assert MPIEXEC is not None
+    marker = f"--aaccl-test-{uuid.uuid4().hex}"
+    program = [str(worker), str(TIMEOUT), marker]
+    if launcher == "aaccl":
+        cmd = [sys.executable, "-m", "aaccl", "launch", "-n", str(nprocs), *program]
+    else:
+        cmd = [MPIEXEC, "-n", str(nprocs), sys.executable, *program]
+    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OPENBLAS_NUM_THREADS": "1",
+           "OMP_NUM_THREADS": "1"}
+    trial = Trial(launcher, nprocs, sig)
+    lines: list[tuple[float, str]] = []
+    errors: list[str] = []
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
+
+    def read_out() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def read_err() -> None:
+        assert proc.stderr is not None
+        errors.extend(proc.stderr)
+
+    readers = [threading.Thread(target=read_out, daemon=True),
+               threading.Thread(target=read_err, daemon=True)]
+    for reader in readers:
+        reader.start()
+    job: set[int] = set()
+    try:
+        deadline = time.monotonic() + 90
+        while len(trial.pids) < nprocs and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+            trial.pids = {int(rank): int(pid) for _, line in list(lines)
+                          for rank, pid in re.findall(rf"{MARK}-ready rank=(\d+) pid=(\d+)", line)}
+        if len(trial.pids) < nprocs:
+            trial.stdout, trial.stderr = "\n".join(text for _, text in lines), "".join(errors)
+            pytest.fail(f"the job did not start: only ranks {sorted(trial.pids)} got going"
+                        f"{trial.explain()}")
+        time.sleep(rng.uniform(0, 0.5))  # somewhere inside an allreduce
+        job = _descendants(proc.pid) | {proc.pid}
+        trial.victim = rng.randrange(nprocs)
+        killed = time.monotonic()
+        os.kill(trial.pids[trial.victim], getattr(signal, f"SIG{sig}"))
+        try:
+            proc.wait(TIMEOUT + GRACE)
+        except subprocess.TimeoutExpired:
+            trial.hung = True
+        trial.exit_after = time.monotonic() - killed
+        job |= set(trial.pids.values()) | _with_marker(marker)
+        trial.leftovers = sorted(pid for pid in job if pid != proc.pid and _alive(pid))
+    finally:
+        _kill(job | _descendants(proc.pid) | _with_marker(marker) | {proc.pid})
+        proc.wait()
+        for reader in readers:
+            reader.join(10)
+    trial.returncode = proc.returncode
+    trial.stdout, trial.stderr = "\n".join(text for _, text in lines), "".join(errors)
+    for when, line in lines:
+        found = re.match(rf"{MARK}-error rank=(\d+) (.*)", line)
+        if found and int(found[1]) != trial.victim:
+            trial.reports.setdefault(int(found[1]), (when - killed, found[2]))
+    return trial
+
+
+def assert_contained(trial: Trial) -> None:
+    """The job ended in time, non-zero, with no process left."""
+    assert not trial.hung, f"the job still ran {TIMEOUT + GRACE} s after the kill{trial.explain()}"
+    assert trial.returncode != 0, f"the job exited with status 0{trial.explain()}"
+    assert not trial.leftovers, f"processes outlived the job{trial.explain()}"
+
+
+def assert_survivors_reported(trial: Trial) -> None:
+    """Every survivor printed its failed call within about the timeout."""
+    survivors = set(range(trial.nprocs)) - {trial.victim}
+    assert set(trial.reports) == survivors, \
+        f"survivors {sorted(survivors - set(trial.reports))} reported nothing{trial.explain()}"
+    for rank, (after, text) in trial.reports.items():
+        assert re.match(r"(CCLOError|Aborted|ACCLError): ", text), \
+            f"rank {rank} reported {text!r}{trial.explain()}"
+        assert after <= TIMEOUT + 3, \
+            f"rank {rank} reported {after:.1f} s after the kill{trial.explain()}"
+
+
+@pytest.fixture
+def worker(tmp_path: Path) -> Path:
+    path = tmp_path / "allreduce_until_killed.py"
+    path.write_text(WORKER)
+    return path
+
+
+@pytest.mark.parametrize(("nprocs", "sig"), [(4, "KILL"), (3, "TERM")])
+def test_killed_rank_under_aaccl_launch(worker: Path, nprocs: int, sig: str) -> None:
+    trial = run_trial(worker, "aaccl", nprocs, sig, random.Random(nprocs))
+    assert_contained(trial)
+    assert_survivors_reported(trial)
+
+
+def test_killed_rank_under_plain_mpiexec(worker: Path) -> None:
+    """hydra's default: the proxy kills every rank when one dies of a signal. Nobody
+    reports, but the job ends at once, non-zero, with nothing left."""
+    trial = run_trial(worker, "mpiexec", 3, "KILL", random.Random(0))
+    assert_contained(trial)
+    assert trial.exit_after is not None and trial.exit_after < 5, trial.explain()
+
+
+@pytest.mark.slow
+def test_repeated_kills_never_hang_nor_leave_processes(worker: Path) -> None:
+    """10 trials: 4 and 3 processes, SIGKILL and SIGTERM, a random rank each time."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    for i in range(10):
+        trial = run_trial(worker, "aaccl", (4, 3)[i // 2 % 2], ("KILL", "TERM")[i % 2], rng)
+        where = f"\ntrial {i + 1} of 10 (seed {seed})"
+        try:
+            assert_contained(trial)
+            assert_survivors_reported(trial)
+        except AssertionError as failure:
+            raise AssertionError(f"{failure}{where}") from None
