@@ -277,8 +277,14 @@ async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: 
         try:
             yield [accl]
         except BaseException as exc:
-            accl._abort(_why(exc))
+            reason = _why(exc)
+            accl._abort(reason)
+            accl._depart(f"its world closed: {reason}")
             raise
+        else:
+            with anyio.CancelScope(shield=True):
+                await accl._settle()  # what it sent may still be needed
+            accl._depart("its program returned and its world closed")
         finally:
             with anyio.CancelScope(shield=True):
                 await accl.aclose()
