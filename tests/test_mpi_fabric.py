@@ -287,21 +287,27 @@ def test_mismatched_collectives_fail_at_once_naming_both_sides(count: int) -> No
     """Rank 0 calls bcast, the others allreduce: the bcast's messages carry its
     fingerprint, so the receivers fail at once (DMA_MISMATCH_ERROR, naming both
     calls) and tell rank 0, whose large (rendezvous) bcast fails as well; a small
-    (eager) one has completed, and rank 0 then fails for want of the others when
-    the world closes."""
+    (eager) one has completed, and rank 0 then fails with an error naming the
+    ranks that failed (aaccl.run's outcome is the same on every process)."""
     job = launch(3, "faults.py", "mismatch", f"timeout={TIMEOUT}", limit=FAULT_LIMIT,
                  env={"AACCL_TEST_COUNT": str(count)})
     assert job.returncode != 0, f"the job succeeded{job.explain()}"
     faults = job.faults()
+    kinds = []
     for rank in [0, 1, 2] if count > 1024 else [1, 2]:
         assert rank in faults, f"rank {rank} reported no failed call{job.explain()}"
         waited, kind, call = faults[rank]
-        assert kind == "CCLOError:DMA_MISMATCH_ERROR", f"rank {rank}: {kind}{job.explain()}"
+        kinds.append(kind)
+        # a rank that got no message of rank 0's bcast may learn first that rank 0,
+        # its (eager) bcast done, left the world
+        assert kind in ("CCLOError:DMA_MISMATCH_ERROR", "Aborted"), \
+            f"rank {rank}: {kind}{job.explain()}"
         assert waited < TIMEOUT / 2, f"rank {rank}'s {call} failed after {waited} s"
+    assert "CCLOError:DMA_MISMATCH_ERROR" in kinds, job.explain()
     assert "rank 0 called bcast(count=" in job.stderr + job.stdout, job.explain()
-    if count <= 1024:
-        assert re.search(r"ACCLError: not every rank finished within \S+ s of rank 0",
-                         job.stderr), job.explain()
+    if count <= 1024:  # rank 0's bcast is done (unless a notice came first); it fails
+        assert 0 in faults or re.search(  # too, naming the ranks that did
+            r"ACCLError: rank [12] failed: CCLOError: allreduce", job.stderr), job.explain()
 
 
 def test_a_rank_that_raises_tells_the_others_whose_calls_fail_at_once() -> None:
