@@ -21,10 +21,11 @@ def test_command_for_hydra_keeps_survivors_alive() -> None:
                    *RANK, "app.py", "--flag"]
 
 
-def test_command_on_one_machine_gives_each_rank_its_own_proxy() -> None:
+def test_command_on_one_machine_keeps_one_proxy_and_each_rank_supervised() -> None:
+    """One proxy per machine (MPICH's shared memory between local ranks survives a
+    dead peer); each rank runs under the supervisor that outlives its program."""
     cmd = command("mpiexec", 3, ["app.py"], None, hydra=True)
-    assert cmd == ["mpiexec", "-n", "3", "-disable-auto-cleanup", "-launcher", "fork",
-                   "-hosts", "127.0.0.1,127.0.0.2,127.0.0.3", "-ppn", "1", *RANK, "app.py"]
+    assert cmd == ["mpiexec", "-n", "3", "-disable-auto-cleanup", *RANK, "app.py"]
 
 
 def test_command_for_other_launchers() -> None:

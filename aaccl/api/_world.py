@@ -341,8 +341,13 @@ def run(main: Callable[[ACCL], Awaitable[T]], world_size: int | None = None, *,
                 me = accls[0].rank
                 outcome = (me in errors, f"{type(errors[me]).__name__}: {errors[me]}"
                            if me in errors else results[me])
-                everyone = await anyio.to_thread.run_sync(_gather_results, outcome,
-                                                          options.get("timeout", 10.0))
+                try:
+                    everyone = await anyio.to_thread.run_sync(_gather_results, outcome,
+                                                              options.get("timeout", 10.0))
+                except ACCLError:
+                    if me in errors:  # its own error says more than the others' absence
+                        raise errors[me] from None
+                    raise
                 if me in errors:
                     raise errors[me]
                 failed = [(r, text) for r, (bad, text) in enumerate(everyone) if bad]
@@ -400,14 +405,19 @@ def _first_failure(errors: dict[int, BaseException]) -> BaseException:
 
 
 def _gather_results(mine: Any, timeout: float) -> list[Any]:
-    """Every MPI rank's result, once all have one (a rank that died makes this fail
-    after `timeout` instead of hanging)."""
+    """Every MPI rank's result, once all have one. A rank that died makes this fail
+    at once if the launcher said a process ended, else after `timeout`: never a hang."""
     from mpi4py import MPI
+
+    from ..soft import MPIFabric
 
     comm = MPI.COMM_WORLD
     barrier = comm.Ibarrier()
     deadline = time.monotonic() + timeout
     while not barrier.Test():
+        ended = MPIFabric.ended()
+        if ended is not None:
+            raise ACCLError(f"rank {comm.rank} cannot gather every rank's result: {ended}")
         if time.monotonic() > deadline:
             raise ACCLError(f"not every rank finished within {timeout} s of rank {comm.rank}")
         time.sleep(0.001)
