@@ -357,3 +357,35 @@ def test_ctrl_c_to_an_aaccl_launch_job_ends_every_rank_at_once(tmp_path) -> None
     assert time.monotonic() - start < FAST, err
     left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout
     assert not left.strip(), f"ranks left running: {left}"
+
+
+def test_wait_for_then_leaving_takes_no_timeout_over_mpi(tmp_path) -> None:
+    """Under MPI (aaccl launch, timeout=30) a rank gives up a receive from a live
+    rank with anyio.fail_after and returns: the job ends in seconds, successfully
+    (leaving aborts the given-up receive instead of waiting for its timeout)."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        pytest.skip("no mpiexec beside this Python (pip install 'aaccl[mpi]')")
+    script = tmp_path / "wait_for_job.py"
+    script.write_text(textwrap.dedent("""
+        import time, aaccl, anyio
+        async def main(accl):
+            if accl.rank == 1:
+                try:
+                    with anyio.fail_after(0.5):
+                        await accl.recv(accl.allocate(4), 4, 0, tag=1)
+                except TimeoutError:
+                    return "gave up"
+            else:
+                await anyio.sleep(1)  # alive, but never sends
+            return "done"
+        start = time.monotonic()
+        results = aaccl.run(main, timeout=30)
+        print("took", round(time.monotonic() - start, 2), results, flush=True)
+    """))
+    proc = subprocess.run([sys.executable, "-m", "aaccl", "launch", "-n", "2", str(script)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    took = [float(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("took")]
+    assert len(took) == 2 and max(took) < 1 + FAST, proc.stdout
+    assert "['done', 'gave up']" in proc.stdout
