@@ -327,12 +327,15 @@ async def test_a_call_given_up_by_wait_for_does_not_hold_the_world_at_exit() -> 
         await call
 
 
+needs_mpiexec = pytest.mark.skipif(
+    not os.path.exists(os.path.join(os.path.dirname(sys.executable), "mpiexec")),
+    reason="no mpiexec beside this Python (pip install 'aaccl[mpi]')")
+
+
+@needs_mpiexec
 def test_ctrl_c_to_an_aaccl_launch_job_ends_every_rank_at_once(tmp_path) -> None:
     """SIGINT to `aaccl launch` while rank 1 waits (timeout=30) for a live rank
     that never sends: the job ends within 2 s, non-zero, with no rank left."""
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if not os.path.exists(mpiexec):
-        pytest.skip("no mpiexec beside this Python (pip install 'aaccl[mpi]')")
     script = tmp_path / "ctrl_c_job.py"
     script.write_text(textwrap.dedent("""
         import aaccl, anyio
@@ -359,13 +362,11 @@ def test_ctrl_c_to_an_aaccl_launch_job_ends_every_rank_at_once(tmp_path) -> None
     assert not left.strip(), f"ranks left running: {left}"
 
 
+@needs_mpiexec
 def test_wait_for_then_leaving_takes_no_timeout_over_mpi(tmp_path) -> None:
     """Under MPI (aaccl launch, timeout=30) a rank gives up a receive from a live
     rank with anyio.fail_after and returns: the job ends in seconds, successfully
     (leaving aborts the given-up receive instead of waiting for its timeout)."""
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if not os.path.exists(mpiexec):
-        pytest.skip("no mpiexec beside this Python (pip install 'aaccl[mpi]')")
     script = tmp_path / "wait_for_job.py"
     script.write_text(textwrap.dedent("""
         import time, aaccl, anyio

@@ -190,13 +190,7 @@ class SoftCall:
             self.failure_error = error
             return
         self.aborting = error
-        wait = self.waiting
-        if wait is not None and wait.expire():
-            wait.waiter, self.waiting = None, None
-            if self.timer is not None:
-                self.timer.cancel()
-                self.timer = None
-            self.resume(None, failed)
+        self._interrupt(failed)
 
     def abort_now(self, error: Aborted) -> None:
         """End the call at once with `error` (its world is cancelled or closed):
@@ -208,17 +202,20 @@ class SoftCall:
         if self.state is State.SUBMITTED:
             self.abort()
             return
+        self._interrupt(CallFailed(ErrorCode.RECEIVE_TIMEOUT_ERROR))
+
+    def _interrupt(self, failed: CallFailed) -> None:
+        """Fail what the running call waits for, if that can be withdrawn now."""
         wait = self.waiting
         if wait is not None and wait.expire():
             wait.waiter, self.waiting = None, None
             if self.timer is not None:
                 self.timer.cancel()
                 self.timer = None
-            self.resume(None, CallFailed(ErrorCode.RECEIVE_TIMEOUT_ERROR))
+            self.resume(None, failed)
 
     def describe(self) -> str:
         return _describe(self.args)
-
 
     def waiting_for(self, wait: Wait) -> str:
         """What the call waits for, in words, for a timeout's message."""
