@@ -34,6 +34,7 @@ from ._engine import Timer, Wait
 from .algorithms import SMALL_ALLREDUCE_COUNT, Copy, Incoming, Local, Send, Step, schedule
 from .fabric import Fingerprint, Key, Message, PostedRecv
 from .fabric._inbox import mismatch
+from .fabric._message import describe
 
 if TYPE_CHECKING:
     from ._device import SoftDevice
@@ -352,7 +353,7 @@ class SendCall(SoftCall):
         payload = path.to_wire(dev.array(args.addr_0, path.dtype, args.count))
         msg = Message(dev.session, ("p2p", self.comm.key), self.seq, args.tag,
                       payload.view(np.uint8), eager=payload.nbytes <= dev.max_eager_size)
-        msg.fp, msg.desc = (args.count, path.wire.str), _describe(args, path.dtype)
+        msg.fp = (args.count, path.wire.str, path.dtype.str)
         self.sent = True
         handover = dev.port.post(self.comm.sessions[args.root_src_dst], msg, DEQUEUE_TIMEOUT)
         if handover is not None:
@@ -399,9 +400,12 @@ class RecvCall(SoftCall):
         self.posted = None
         dev.count_message(args, INBOUND_SEQ)
         try:
-            if msg.fp is not None and msg.fp != (args.count, path.wire.str):
-                code = SIZE_MISMATCH if msg.fp[0] != args.count else MISMATCH
-                raise CallFailed(code, f"rank {msg.src} sent {msg.desc}; rank {dev.session} "
+            if msg.fp is not None and msg.fp[:2] != (args.count, path.wire.str):
+                count, _, dtype = msg.fp
+                code = SIZE_MISMATCH if count != args.count else MISMATCH
+                sent = (f"send(count={count}, {np.dtype(dtype).name}, "
+                        f"dst={dev.comm(args.comm).rank}, tag={msg.tag})")
+                raise CallFailed(code, f"rank {msg.src} sent {sent}; rank {dev.session} "
                                        f"called {_describe(args, path.dtype)}")
             data = dev.inbox.data(msg)
             if data.nbytes != args.count * path.wire.itemsize:
@@ -474,7 +478,7 @@ class ScheduleCall(SoftCall):
     """copy, combine and the collectives: a schedule of sends, copies and reductions."""
 
     __slots__ = ("comm", "seq", "path", "addrs", "itemsizes", "views", "sending", "taken",
-                 "saved", "prefix", "met", "fp", "desc", "quiet")
+                 "saved", "prefix", "met", "fp", "quiet")
 
     def prepare(self) -> None:
         args, dev = self.args, self.dev
@@ -483,7 +487,6 @@ class ScheduleCall(SoftCall):
         self.seq = 0
         self.met = False
         self.fp: Fingerprint | None = None
-        self.desc = _describe(args)
         self.quiet = False  # its failure came from a peer, which has told the others
         if args.scenario in COLLECTIVES:
             self.comm = comm = dev.comm(args.comm)
@@ -494,23 +497,26 @@ class ScheduleCall(SoftCall):
             self._join(comm)
         _check_streams_and_compression(args)
 
+    def describe(self) -> str:
+        fp = getattr(self, "fp", None)
+        return _describe(self.args) if fp is None else describe(fp)
+
     def _join(self, comm: Comm) -> None:
         """Check our call against the peers' calls of this collective (fingerprints
         in their messages), now and as their messages come."""
         args = self.args
         scenario = Scenario(args.scenario)
         path = self.dev.datapath(args)
-        self.desc = _describe(args, path.dtype)
         self.fp = (int(scenario), None if scenario == Scenario.BARRIER else args.count,
                    path.dtype.str, path.wire.str,
                    args.root_src_dst if scenario in ROOTED else None,
                    args.function if scenario in REDUCING else None, comm.size)
         assert self.prefix is not None
-        failure = self.dev.inbox.join(self.prefix, self.dev.session, self.fp, self.desc,
+        failure = self.dev.inbox.join(self.prefix, self.dev.session, self.fp,
                                       self._peer_failed)
         roll_call = getattr(self.dev.port, "roll_call", None)  # in process: all at once
         if roll_call is not None and comm.size > 1:
-            differs = roll_call(self.prefix, comm.size, self.dev.session, self.fp, self.desc)
+            differs = roll_call(self.prefix, comm.size, self.dev.session, self.fp)
             if failure is None and differs is not None:
                 failure = (*differs, False)
         if failure is not None:
@@ -564,14 +570,14 @@ class ScheduleCall(SoftCall):
         if self.quiet or comm.size == 1 or self.dev.silent:
             return
         self.quiet = True
-        me = self.dev.session
+        me, desc = self.dev.session, self.describe()
         if code in (MISMATCH, SIZE_MISMATCH) and why:
             notice = why  # names both sides already
         elif code:
             names = ", ".join(ErrorCode(code).names())
-            notice = f"rank {me}'s {self.desc} failed ({names})" + (f": {why}" if why else "")
+            notice = f"rank {me}'s {desc} failed ({names})" + (f": {why}" if why else "")
         else:
-            notice = f"rank {me}'s {self.desc} was aborted: {why}"
+            notice = f"rank {me}'s {desc} was aborted: {why}"
         for peer in comm.sessions:
             if peer != me:
                 msg = Message(me, ("abort", comm.key, self.seq), self.seq, 0, None, eager=True)
@@ -615,7 +621,7 @@ class ScheduleCall(SoftCall):
 
         meeting = dev.port.meeting(prefix, comm.size)
         assert self.fp is not None
-        conflict = meeting.check(dev.session, self.fp, self.desc)
+        conflict = meeting.check(dev.session, self.fp)
         if conflict is not None:
             self.abandon()
             raise CallFailed(*conflict)
@@ -752,8 +758,7 @@ class ScheduleCall(SoftCall):
             self.taken[op] = msg
             if msg.fp is not None and msg.fp != self.fp:  # never compute with it
                 assert self.fp is not None
-                raise CallFailed(*mismatch(self.fp, msg.fp, (self.dev.session, self.desc),
-                                           (msg.src, msg.desc or "?")))
+                raise CallFailed(*mismatch(self.fp, msg.fp, self.dev.session, msg.src))
         data = self.dev.inbox.data(msg)
         if data.nbytes != count * self.path.wire.itemsize:
             raise CallFailed(ErrorCode.DMA_SIZE_ERROR)
@@ -770,7 +775,7 @@ class ScheduleCall(SoftCall):
         payload = self.path.to_wire(data)
         msg = Message(dev.session, self._key(step.tag), self.seq, step.tag,
                       payload.view(np.uint8), eager=payload.nbytes <= dev.max_eager_size)
-        msg.fp, msg.desc = self.fp, self.desc
+        msg.fp = self.fp
         handover = dev.port.post(self.comm.sessions[step.peer], msg, RECEIVE_TIMEOUT)
         if handover is not None:
             start, end = self._span(step.src, step.count)

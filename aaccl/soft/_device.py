@@ -18,7 +18,7 @@ from .._constants import ConfigFunction, ErrorCode, Scenario
 from .._errors import Aborted, DeviceError
 from ..devices import CallArgs, DeviceCall
 from ..devices._jobs import HostJobs, Job
-from ._calls import CallFailed, Comm, SoftCall, State, make_call
+from ._calls import CallFailed, Comm, SoftCall, make_call
 from ._datapath import Datapath, UnsupportedConfig
 from ._memory import DeviceMemory
 from .fabric import Message, Port, RxPool
@@ -52,7 +52,7 @@ class SoftDevice:
         self._calls: dict[SoftCall, None] = {}  # admitted, not finished (in order)
         self._jobs = HostJobs(f"soft-cclo-{session}")
         self.closed = False
-        self.last: str | None = None  # the last call admitted, described
+        self.last: SoftCall | None = None  # the last call admitted (for `activity`)
         self.gone: dict[int, str] = {}  # peers (sessions) that left the world, and why
         self.silent = False  # aborted whole: failing calls send no notices
         self.inbox.on_leave = self._peer_left
@@ -65,7 +65,8 @@ class SoftDevice:
         """What this CCLO is doing, for a peer's error message (engine context)."""
         calls = list(self._calls)
         if not calls:
-            return "has no call outstanding" + (f" (its last: {self.last})" if self.last else "")
+            last = "" if self.last is None else f" (its last: {self.last.describe()})"
+            return "has no call outstanding" + last
         listed = ", ".join(c.describe() for c in calls[:3])
         more = f" and {len(calls) - 3} more" if len(calls) > 3 else ""
         return f"is in {listed}{more}"
@@ -214,7 +215,7 @@ class SoftDevice:
             return
         self._calls[call] = None
         if call.args.scenario != Scenario.CONFIG:
-            self.last = call.describe()
+            self.last = call
         call.admit(waitfor)
 
     def ready(self, call: SoftCall) -> None:

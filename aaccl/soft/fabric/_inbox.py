@@ -15,7 +15,7 @@ import numpy as np
 from ..._constants import ErrorCode
 from .._engine import Wait
 from ._matching import PostedRecv, Stream
-from ._message import Fingerprint, Key, Message, MessageState
+from ._message import Fingerprint, Key, Message, MessageState, describe
 
 RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
 SIZE_MISMATCH = int(ErrorCode.DMA_SIZE_ERROR)
@@ -25,24 +25,23 @@ Failure = tuple[int, str]
 """(retcode, why) a collective fails with."""
 
 
-def mismatch(fp: Fingerprint, other: Fingerprint, ours: tuple[int, str],
-             theirs: tuple[int, str]) -> Failure:
-    """The failure of two calls of one collective that do not agree: count alone
-    is ACCL's DMA_SIZE_ERROR, anything else DMA_MISMATCH_ERROR; the words name both
-    sides, (rank, call) in rank order."""
+def mismatch(fp: Fingerprint, other: Fingerprint, ours: int, theirs: int) -> Failure:
+    """The failure of two calls of one collective (by rank `ours` and `theirs`)
+    that do not agree: count alone is ACCL's DMA_SIZE_ERROR, anything else
+    DMA_MISMATCH_ERROR; the words name both sides, in rank order."""
     code = SIZE_MISMATCH if fp[:1] + fp[2:] == other[:1] + other[2:] else MISMATCH
-    (a, x), (b, y) = sorted((ours, theirs))
-    return code, f"rank {a} called {x}; rank {b} called {y}"
+    (a, x), (b, y) = sorted(((ours, fp), (theirs, other)))
+    return code, f"rank {a} called {describe(x)}; rank {b} called {describe(y)}"
 
 
 class _Member:
     """This CCLO's call of a collective, as registered for checks and notices."""
 
-    __slots__ = ("session", "fp", "desc", "fail")
+    __slots__ = ("session", "fp", "fail")
 
-    def __init__(self, session: int, fp: Fingerprint, desc: str,
+    def __init__(self, session: int, fp: Fingerprint,
                  fail: Callable[[int, str, bool], None]) -> None:
-        self.session, self.fp, self.desc, self.fail = session, fp, desc, fail
+        self.session, self.fp, self.fail = session, fp, fail
 
 
 class RxPool:
@@ -112,7 +111,7 @@ class Inbox:
         self._step_waits: dict[tuple[int, Key], StepWait] = {}
         self._abandoned: set[Key] = set()  # ("coll", comm, seq) of collectives that gave up
         self._members: dict[Key, _Member] = {}  # our running collectives, by prefix
-        self._seen: dict[Key, tuple[int, Fingerprint, str]] = {}  # before we joined
+        self._seen: dict[Key, tuple[int, Fingerprint]] = {}  # before we joined
         self._failed: dict[Key, Failure] = {}  # notices for collectives we have not joined
         self.on_leave: Callable[[int, str], None] | None = None  # a peer left its world
         self._orders = itertools.count()
@@ -219,7 +218,7 @@ class Inbox:
 
     # -- collective steps -----------------------------------------------------------
 
-    def join(self, prefix: Key, session: int, fp: Fingerprint, desc: str,
+    def join(self, prefix: Key, session: int, fp: Fingerprint,
              fail: Callable[[int, str, bool], None]) -> tuple[int, str, bool] | None:
         """Our call of collective `prefix` is admitted: check it against what peers
         sent for it already (and whether one of them failed it); later arrivals are
@@ -229,8 +228,8 @@ class Inbox:
         if failed is not None:
             return (*failed, True)
         if seen is not None and seen[1] != fp:
-            return (*mismatch(fp, seen[1], (session, desc), (seen[0], seen[2])), False)
-        self._members[prefix] = _Member(session, fp, desc, fail)
+            return (*mismatch(fp, seen[1], session, seen[0]), False)
+        self._members[prefix] = _Member(session, fp, fail)
         return None
 
     def leave(self, prefix: Key) -> None:
@@ -243,10 +242,9 @@ class Inbox:
         if member is None:
             if msg.fp is not None and prefix not in self._seen \
                     and prefix not in self._abandoned:
-                self._seen[prefix] = (msg.src, msg.fp, msg.desc or "?")
+                self._seen[prefix] = (msg.src, msg.fp)
         elif msg.fp is not None and msg.fp != member.fp:
-            code, why = mismatch(member.fp, msg.fp, (member.session, member.desc),
-                                 (msg.src, msg.desc or "?"))
+            code, why = mismatch(member.fp, msg.fp, member.session, msg.src)
             member.fail(code, why, False)
 
     def _notice(self, msg: Message) -> None:

@@ -25,7 +25,7 @@ class InProcessFabric:
         self.meetings: dict[Hashable, Meeting] = {}
         self.activities: dict[int, Callable[[], str]] = {}  # session -> what it does now
         # collectives some ranks have joined: the first one's call, and how many came
-        self.roll: dict[Hashable, tuple[tuple[int, Fingerprint, str], int]] = {}
+        self.roll: dict[Hashable, tuple[tuple[int, Fingerprint], int]] = {}
 
     def port(self, session: int) -> InProcessPort:
         return InProcessPort(self, session)
@@ -59,15 +59,15 @@ class Meeting:
         self.seats: list[_Seat] = []
         self.seen = 0
         self.abandoned = False
-        self.first: tuple[int, Fingerprint, str] | None = None  # who came first, with what
+        self.first: tuple[int, Fingerprint] | None = None  # who came first, with what
 
-    def check(self, session: int, fp: Fingerprint, desc: str) -> tuple[int, str] | None:
+    def check(self, session: int, fp: Fingerprint) -> tuple[int, str] | None:
         """A rank's call against the first one's: the mismatch, if they differ."""
         if self.first is None:
-            self.first = (session, fp, desc)
+            self.first = (session, fp)
             return None
-        other, theirs, what = self.first
-        return None if theirs == fp else mismatch(fp, theirs, (session, desc), (other, what))
+        other, theirs = self.first
+        return None if theirs == fp else mismatch(fp, theirs, session, other)
 
     def _count(self) -> None:
         self.seen += 1
@@ -128,23 +128,23 @@ class InProcessPort:
         msg.consumed = handover
         return handover
 
-    def roll_call(self, key: Hashable, size: int, session: int, fp: Fingerprint,
-                  desc: str) -> tuple[int, str] | None:
+    def roll_call(self, key: Hashable, size: int, session: int,
+                  fp: Fingerprint) -> tuple[int, str] | None:
         """Join collective `key` of `size` ranks: the mismatch with the first rank
         that joined, if their calls differ (found even where the two exchange no
         message, as a gather's roots of different opinion do not)."""
         roll = self.fabric.roll
         entry = roll.get(key)
         if entry is None:
-            first, seen = (session, fp, desc), 1
+            first, seen = (session, fp), 1
         else:
             first, seen = entry[0], entry[1] + 1
         if seen >= size:
             roll.pop(key, None)
         else:
             roll[key] = (first, seen)
-        other, theirs, what = first
-        return None if theirs == fp else mismatch(fp, theirs, (session, desc), (other, what))
+        other, theirs = first
+        return None if theirs == fp else mismatch(fp, theirs, session, other)
 
     def register(self, activity: Callable[[], str]) -> None:
         """How others can see what this session's CCLO is doing (for their errors)."""

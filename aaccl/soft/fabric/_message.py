@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from ..._constants import ReduceFunction, Scenario
 from .._engine import Engine, Wait
 
 if TYPE_CHECKING:
@@ -19,8 +20,24 @@ Key = tuple[Any, ...]
 ("leave",) for a notice that the sender left its world."""
 
 Fingerprint = tuple[Any, ...]
-"""What must agree between the ranks of one collective (operation, count, types,
-root, function, communicator size), or between a send and its receive."""
+"""What must agree between the ranks of one collective: (scenario, count or None,
+dtype, wire dtype, root or None, function or None, communicator size); between a
+send and its receive: (count, wire dtype, dtype)."""
+
+
+def describe(fp: Fingerprint) -> str:
+    """A collective's call as its user wrote it, from its fingerprint (so that
+    messages need carry no words): "bcast(count=64, float32, root=0)"."""
+    scenario, count, dtype, _, root, function, _ = fp
+    parts = [] if count is None else [f"count={count}", np.dtype(dtype).name]
+    if root is not None:
+        parts.append(f"root={root}")
+    if function is not None:
+        try:
+            parts.append(ReduceFunction(function).name)
+        except ValueError:
+            parts.append(f"function {function}")
+    return f"{Scenario(scenario).name.lower()}({', '.join(parts)})"
 
 
 class MessageState(enum.Enum):
@@ -39,8 +56,7 @@ class Message:
     """
 
     __slots__ = ("src", "key", "seq", "tag", "nbytes", "payload", "slots", "state", "eager",
-                 "tombstone", "consumed", "matched", "on_taken", "on_done", "fp", "desc",
-                 "notice")
+                 "tombstone", "consumed", "matched", "on_taken", "on_done", "fp", "notice")
 
     def __init__(self, src: int, key: Key, seq: int, tag: int, payload: np.ndarray | None,
                  eager: bool, tombstone: bool = False) -> None:
@@ -56,7 +72,6 @@ class Message:
         self.on_taken: Callable[[], None] | None = None  # MPI: acknowledge a receive
         self.on_done: Callable[[], None] | None = None  # MPI: acknowledge freed rx buffers
         self.fp: Fingerprint | None = None  # the sending call's, to check against ours
-        self.desc: str | None = None  # the sending call, as its user wrote it
         self.notice: tuple[int, str] | None = None  # an abort notice: (retcode, why)
 
 

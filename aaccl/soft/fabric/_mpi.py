@@ -118,7 +118,7 @@ class MPIFabric:
         if eager and payload is not None:
             payload = payload.copy()  # the send completes now: MPI must not read our memory
         header = (msg_id, msg.key, msg.seq, msg.tag, eager, msg.tombstone, nbytes, msg.fp,
-                  msg.desc, msg.notice)
+                  msg.notice)
         self._send_obj(header, dst, HEADER)
         if nbytes:
             self._isend([payload, nbytes, _BYTE()], dst, _payload_tag(msg_id), payload)
@@ -189,7 +189,7 @@ class MPIFabric:
             self.engine.post(self.inbox.withdraw, msg)
 
     def _receive(self, src: int, msg_id: int, key: Any, seq: int, tag: int, eager: bool,
-                 tombstone: bool, nbytes: int, fp: Any = None, desc: str | None = None,
+                 tombstone: bool, nbytes: int, fp: Any = None,
                  notice: tuple[int, str] | None = None) -> None:
         payload, request = None, None
         if not tombstone:
@@ -197,7 +197,7 @@ class MPIFabric:
             if nbytes:  # never a blocking receive: the sender may die before it is done
                 request = self.comm.Irecv([payload, nbytes, _BYTE()], src, _payload_tag(msg_id))
         msg = Message(src, key, seq, tag, payload, eager, tombstone)
-        msg.fp, msg.desc, msg.notice = fp, desc, notice
+        msg.fp, msg.notice = fp, notice
         if not tombstone and (nbytes or not eager):  # the sender waits for our ack
 
             def acknowledge() -> None:
