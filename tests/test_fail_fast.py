@@ -247,19 +247,24 @@ def test_a_raising_rank_ends_run_at_once_with_its_own_error(backend: str) -> Non
     assert took < 10  # interpreter start-up included; the world itself takes < 1 s
 
 
+WAITING = """
+    import aaccl, anyio
+    async def main(accl):
+        b = accl.allocate(4)
+        if accl.rank == 1:
+            print("waiting", flush=True)
+            await accl.recv(b, 4, 0, tag=1)
+        else:
+            await anyio.sleep(3600)  # alive, but never sends
+    aaccl.run(main, WORLD timeout=30)
+"""
+"""Rank 1 waits for a live rank that never sends (WORLD: run's other arguments)."""
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_ctrl_c_while_a_peer_is_missing_exits_at_once(backend: str) -> None:
-    code, err, took = run_script("""
-        import aaccl, anyio
-        async def main(accl):
-            b = accl.allocate(4)
-            if accl.rank == 1:
-                print("waiting", flush=True)
-                await accl.recv(b, 4, 0, tag=1)
-            else:
-                await anyio.sleep(3600)  # alive, but never sends
-        aaccl.run(main, 2, timeout=30, backend=BACKEND)
-    """, signal_after="waiting", backend=backend)
+    code, err, took = run_script(WAITING.replace("WORLD", "2, backend=BACKEND,"),
+                                 signal_after="waiting", backend=backend)
     assert code != 0
     assert "KeyboardInterrupt" in err or code == -signal.SIGINT
     assert took < FAST
@@ -338,17 +343,7 @@ def test_ctrl_c_to_an_aaccl_launch_job_ends_every_rank_at_once(tmp_path) -> None
     """SIGINT to `aaccl launch` while rank 1 waits (timeout=30) for a live rank
     that never sends: the job ends within 2 s, non-zero, with no rank left."""
     script = tmp_path / "ctrl_c_job.py"
-    script.write_text(textwrap.dedent("""
-        import aaccl, anyio
-        async def main(accl):
-            b = accl.allocate(4)
-            if accl.rank == 1:
-                print("waiting", flush=True)
-                await accl.recv(b, 4, 0, tag=1)
-            else:
-                await anyio.sleep(3600)
-        aaccl.run(main, timeout=30)
-    """))
+    script.write_text(textwrap.dedent(WAITING.replace("WORLD", "")))
     proc = subprocess.Popen([sys.executable, "-m", "aaccl", "launch", "-n", "2", str(script)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None

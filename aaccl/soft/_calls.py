@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _exchmem as xm
-from .._constants import TAG_ANY, ErrorCode, ReduceFunction, Scenario
+from .._constants import TAG_ANY, ErrorCode, Scenario
 from .._errors import Aborted
 from ..devices import CallArgs, DeviceCall
 from ._datapath import OPERAND_FLAGS, Datapath
@@ -34,7 +34,7 @@ from ._engine import Timer, Wait
 from .algorithms import SMALL_ALLREDUCE_COUNT, Copy, Incoming, Local, Send, Step, schedule
 from .fabric import Fingerprint, Key, Message, PostedRecv
 from .fabric._inbox import mismatch
-from .fabric._message import describe
+from .fabric._message import describe, function_name
 
 if TYPE_CHECKING:
     from ._device import SoftDevice
@@ -84,15 +84,10 @@ def _describe(args: CallArgs, dtype: np.dtype | None = None) -> str:
     elif scenario == Scenario.RECV:
         parts.append(f"src={args.root_src_dst}, tag={args.tag}")
     if scenario in REDUCING:
-        parts.append(_function_name(args.function))
+        parts.append(function_name(args.function))
     return f"{scenario.name.lower()}({', '.join(parts)})"
 
 
-def _function_name(function: int) -> str:
-    try:
-        return ReduceFunction(function).name
-    except ValueError:
-        return f"function {function}"
 
 
 class State(enum.Enum):

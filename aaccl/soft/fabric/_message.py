@@ -33,11 +33,16 @@ def describe(fp: Fingerprint) -> str:
     if root is not None:
         parts.append(f"root={root}")
     if function is not None:
-        try:
-            parts.append(ReduceFunction(function).name)
-        except ValueError:
-            parts.append(f"function {function}")
+        parts.append(function_name(function))
     return f"{Scenario(scenario).name.lower()}({', '.join(parts)})"
+
+
+def function_name(function: int) -> str:
+    """A reduce function's name, as in the user's call ("SUM")."""
+    try:
+        return ReduceFunction(function).name
+    except ValueError:
+        return f"function {function}"
 
 
 class MessageState(enum.Enum):
