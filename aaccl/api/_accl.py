@@ -357,8 +357,13 @@ class ACCL:
         trace = _trace.active() if submitted else None  # submitted is 0 unless tracing
         if trace is not None:
             self._record(trace, op, engine, device_call, submitted)
-        result = Call(f"{op} (rank {self._rank}, call {self._ncalls}{where})", self, device_call,
-                      deps + hazards, finish, self._forget, buffers)
+        name = f"{op} (rank {self._rank}, call {self._ncalls}{where})"
+        if device_call.done():  # ended on the spot (a nop, a failure): nothing to track
+            result = Call(name, self, device_call, deps + hazards, finish, None, buffers)
+            if hazards:  # nobody has seen its error yet
+                self._explain(result, hazards)
+            return result
+        result = Call(name, self, device_call, deps + hazards, finish, self._forget, buffers)
         with self._lock:
             finished = result.done()
             if not finished:
