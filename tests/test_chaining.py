@@ -203,6 +203,31 @@ async def test_asyncio_gather_calls_and_coroutines() -> None:
             np.testing.assert_array_equal(r, (a.rank - 1) % 4 + 1)
 
 
+async def test_wait_async_runs_a_call_as_a_task(anyio_backend: str) -> None:
+    """create_task / start_soon take coroutines, not awaitables: wait_async is one,
+    and it raises the call's error as await does."""
+    async with aaccl.open_world(2, timeout=0.3) as (a, b):
+        src, dst = filled(a, np.arange(8, dtype=np.float32)), b.allocate(8)
+        send, recv = a.send(src, 8, 1), b.recv(dst, 8, 0)
+        lonely = b.recv(b.allocate(4), 4, 0, tag=9)
+        if anyio_backend == "asyncio":
+            import asyncio
+
+            with pytest.raises(TypeError):
+                asyncio.create_task(send)  # type: ignore[arg-type]
+            tasks = [asyncio.create_task(c.wait_async()) for c in (send, recv)]
+            await asyncio.gather(*tasks)
+            with pytest.raises(CCLOError, match="RECEIVE_TIMEOUT"):
+                await asyncio.create_task(lonely.wait_async())
+        else:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send.wait_async)
+                tg.start_soon(recv.wait_async)
+            with pytest.raises(CCLOError, match="RECEIVE_TIMEOUT"):
+                await lonely.wait_async()
+        np.testing.assert_array_equal(dst, np.arange(8))
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_asyncio_gather_returns_a_failed_call_s_error() -> None:
     import asyncio

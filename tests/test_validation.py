@@ -193,6 +193,17 @@ CASES: list[Case] = [
     ("waitfor-int", lambda e: e.me.copy(e.f, e.g, 4, waitfor=[e.my_call, 5]), TypeError),
     ("waitfor-device-call", lambda e: e.me.nop(waitfor=[e.my_call._device]), TypeError),
     ("waitfor-none", lambda e: e.me.allreduce(e.f, e.g, 4, SUM, waitfor=None), TypeError),
+    ("waitfor-one-call", lambda e: e.me.nop(waitfor=e.my_call), TypeError),
+    ("waitfor-int-alone", lambda e: e.me.bcast(e.f, 4, 0, waitfor=3), TypeError),
+    # flags are True or False
+    ("from-fpga-str", lambda e: e.me.copy(e.f, e.g, 4, from_fpga="yes"), TypeError),
+    ("to-fpga-none", lambda e: e.me.allreduce(e.f, e.g, 4, SUM, to_fpga=None), TypeError),
+    ("to-fpga-int", lambda e: e.me.recv(e.f, 4, 1, to_fpga=1), TypeError),
+    ("from-fpga-list", lambda e: e.me.send(e.f, 4, 1, from_fpga=[]), TypeError),
+    ("val2-from-fpga-str", lambda e: e.me.combine(4, SUM, e.f, e.g, e.g, val2_from_fpga="no"),
+     TypeError),
+    ("from-fpga-bcast", lambda e: e.me.bcast(e.f, 4, 0, from_fpga=0), TypeError),
+    ("to-fpga-gather", lambda e: e.me.gather(e.f, e.big, 4, 0, to_fpga="False"), TypeError),
     ("waitfor-other-rank", lambda e: e.me.nop(waitfor=[e.their_call]), ValueError),
     ("waitfor-other-rank-collective",
      lambda e: e.me.bcast(e.f, 4, 0, waitfor=[e.my_call, e.their_call]), ValueError),
@@ -255,6 +266,8 @@ async def test_valid_variants_are_accepted() -> None:
         s, r = a.send(f, 3, np.int32(1), tag=aaccl.TAG_ANY), b.recv(b.allocate(3), 3, 0, tag=7)
         await s
         await r
+        await a.copy(f, g, 8, from_fpga=np.bool_(False), to_fpga=np.True_)  # numpy flags
+        await a.copy(g, f, 8, from_fpga=True, waitfor=iter([]))  # any iterable
         c1 = a.bcast(f, 8, np.int64(0), compress_dtype=np.float32)  # wire dtype = data dtype
         c2 = b.bcast(b.allocate(8), 8, 0, compress_dtype=np.float32)
         await c1

@@ -487,6 +487,7 @@ class ACCL:
              to_fpga: bool = False, *, stream_flags: int = 0, waitfor: Calls = ()) -> Call:
         """dstbuf[:count] = srcbuf[:count], on the device. float32 and float16 buffers
         mix: the CCLO converts between them."""
+        check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
         n = check.count(count)
         src = check.buffer(srcbuf, "srcbuf", self, n)
         dst = check.buffer(dstbuf, "dstbuf", self, n)
@@ -504,6 +505,7 @@ class ACCL:
         """result[:count] = func(val1, val2), elementwise on the device. float32 and
         float16 buffers mix: then the CCLO computes in float16, converting float32
         inputs to float16 first."""
+        check.flags(val1_from_fpga=val1_from_fpga, val2_from_fpga=val2_from_fpga, to_fpga=to_fpga)
         n, fn = check.count(count), check.function(func)
         a = check.buffer(val1, "val1", self, n)
         b = check.buffer(val2, "val2", self, n)
@@ -522,6 +524,7 @@ class ACCL:
              stream_flags: int = 0, *, waitfor: Calls = ()) -> Call:
         """Send srcbuf[:count] to rank `dst`; done once the data has left (eager) or the
         receiver has it."""
+        check.flags(from_fpga=from_fpga)
         size = self._comm_size(comm_id)
         n, peer, t = check.count(count), check.index(dst, "dst", size), check.tag(tag)
         src = check.buffer(srcbuf, "srcbuf", self, n)
@@ -536,6 +539,7 @@ class ACCL:
              comm_id: int = GLOBAL_COMM, to_fpga: bool = False, compress_dtype: Any = None,
              *, stream_flags: int = 0, waitfor: Calls = ()) -> Call:
         """Receive `count` elements from rank `src` into dstbuf."""
+        check.flags(to_fpga=to_fpga)
         size = self._comm_size(comm_id)
         n, peer, t = check.count(count), check.index(src, "src", size), check.tag(tag)
         dst = check.buffer(dstbuf, "dstbuf", self, n)
@@ -553,6 +557,7 @@ class ACCL:
               from_fpga: bool = False, to_fpga: bool = False, compress_dtype: Any = None,
               *, waitfor: Calls = ()) -> Call:
         """Copy root's buf[:count] into every rank's buf."""
+        check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
         size = self._comm_size(comm_id)
         n, r = check.count(count), check.index(root, "root", size)
         b = check.buffer(buf, "buf", self, n)
@@ -573,6 +578,7 @@ class ACCL:
                 comm_id: int = GLOBAL_COMM, from_fpga: bool = False, to_fpga: bool = False,
                 compress_dtype: Any = None, *, waitfor: Calls = ()) -> Call:
         """Root's sbuf holds `count` elements per rank; rank i receives chunk i in rbuf."""
+        check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
         size = self._comm_size(comm_id)
         n, r = check.count(count), check.index(root, "root", size)
         is_root = r == self._comm_rank(comm_id)
@@ -594,6 +600,7 @@ class ACCL:
                comm_id: int = GLOBAL_COMM, from_fpga: bool = False, to_fpga: bool = False,
                compress_dtype: Any = None, *, waitfor: Calls = ()) -> Call:
         """Root's rbuf receives every rank's sbuf[:count], in rank order."""
+        check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
         size = self._comm_size(comm_id)
         n, r = check.count(count), check.index(root, "root", size)
         is_root = r == self._comm_rank(comm_id)
@@ -615,6 +622,7 @@ class ACCL:
                func: ReduceFunction, comm_id: int = GLOBAL_COMM, from_fpga: bool = False,
                to_fpga: bool = False, compress_dtype: Any = None, *, waitfor: Calls = ()) -> Call:
         """Root's rbuf receives func over every rank's sbuf[:count]."""
+        check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
         size = self._comm_size(comm_id)
         n, r, fn = check.count(count), check.index(root, "root", size), check.function(func)
         is_root = r == self._comm_rank(comm_id)
@@ -654,6 +662,7 @@ class ACCL:
                   from_fpga: bool = False, to_fpga: bool = False, compress_dtype: Any = None,
                   *, waitfor: Calls = ()) -> Call:
         """Every rank's rbuf receives every rank's sbuf[:count], in rank order."""
+        check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
         return self._all("allgather", Scenario.ALLGATHER, sbuf, rbuf, count, False, True, None,
                          comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 
@@ -662,6 +671,7 @@ class ACCL:
                   comm_id: int = GLOBAL_COMM, from_fpga: bool = False, to_fpga: bool = False,
                   compress_dtype: Any = None, *, waitfor: Calls = ()) -> Call:
         """Every rank's rbuf receives func over every rank's sbuf[:count]."""
+        check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
         return self._all("allreduce", Scenario.ALLREDUCE, sbuf, rbuf, count, False, False,
                          check.function(func), comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 
@@ -672,6 +682,7 @@ class ACCL:
                        *, waitfor: Calls = ()) -> Call:
         """Rank i's rbuf receives chunk i (of `count` elements) of func over every
         rank's sbuf[:count * size]."""
+        check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
         return self._all("reduce_scatter", Scenario.REDUCE_SCATTER, sbuf, rbuf, count, True, False,
                          check.function(func), comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 
@@ -680,6 +691,7 @@ class ACCL:
                  from_fpga: bool = False, to_fpga: bool = False, compress_dtype: Any = None,
                  *, waitfor: Calls = ()) -> Call:
         """Chunk j of rank i's sbuf lands as chunk i of rank j's rbuf."""
+        check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
         return self._all("alltoall", Scenario.ALLTOALL, sbuf, rbuf, count, True, True, None,
                          comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 

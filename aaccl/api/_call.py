@@ -153,6 +153,12 @@ class Call:
         if self._error is not None:
             raise self._error
 
+    async def wait_async(self) -> None:
+        """Await the call as a coroutine: a Call is awaitable but not a coroutine, so
+        `asyncio.create_task(call)` and trio's `nursery.start_soon` refuse it; pass
+        `call.wait_async()` (asyncio) or `call.wait_async` (trio) instead."""
+        await self
+
     def _mark_retrieved(self) -> None:
         """Retrieving a call's error retrieves those of the calls its failure came from,
         so none of them is logged as unawaited; a stack, not recursion, for long chains."""

@@ -126,8 +126,23 @@ def compression(data: np.dtype, compress_dtype: Any) -> np.dtype | None:
     return wire
 
 
+def flags(**values: Any) -> None:
+    """Flags such as from_fpga are True or False: a truthy string or None is more
+    likely a slip (an argument in the wrong place) than a wish."""
+    for name, value in values.items():
+        if value is not True and value is not False and not isinstance(value, np.bool_):
+            raise TypeError(f"{name} must be True or False, not {value!r}")
+
+
 def waitfor(calls: Iterable[Any], owner: object) -> tuple[Call, ...]:
-    out = tuple(calls)
+    """The calls a call waits for: an iterable of this rank's Calls."""
+    if isinstance(calls, Call):
+        raise TypeError(f"waitfor takes a list of Calls, not one: waitfor=[{calls.name}]")
+    try:
+        out = tuple(calls)
+    except TypeError:
+        raise TypeError(f"waitfor takes a list of Calls (leave it out for none), "
+                        f"not {type(calls).__name__}") from None
     for call in out:
         if not isinstance(call, Call):
             raise TypeError(f"waitfor takes Calls, not {type(call).__name__}")
