@@ -134,6 +134,8 @@ class ACCL:
         self._ncalls = 0
         self._closed = False
         self._departed = False  # told the other ranks it left (`_depart`)
+        # progress a waiting task makes itself (the MPI fabric), see _bridge.wait
+        self._poll: Callable[[], object] | None = getattr(driver.device, "poll", None)
 
     @classmethod
     async def open(cls, driver: Driver) -> ACCL:

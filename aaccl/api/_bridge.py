@@ -11,20 +11,30 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 
 Register = Callable[[Callable[[], None]], bool]
 """Registers `wake`; returns False (and never calls it) if the event already happened."""
 
+Poll = Callable[[], object]
+"""Makes progress on the device's messages on the calling thread (the MPI fabric)."""
 
-async def wait(register: Register) -> None:
-    """Suspend the current task until the registered `wake` is called from any thread."""
+POLL_FOR = 0.002
+"""Seconds a task polls (`poll`, then a yield to the other tasks) before it leaves the
+waiting to the device's own thread: a quick answer then costs no thread hop and no
+wake-up of the loop, and a long wait costs no core."""
+
+
+async def wait(register: Register, poll: Poll | None = None) -> None:
+    """Suspend the current task until the registered `wake` is called from any thread;
+    with `poll`, poll for a while first."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
-        await _wait_trio(register)
+        await _wait_trio(register, poll)
     else:
-        await _wait_asyncio(loop, register)
+        await _wait_asyncio(loop, register, poll)
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -32,7 +42,8 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-async def _wait_asyncio(loop: asyncio.AbstractEventLoop, register: Register) -> None:
+async def _wait_asyncio(loop: asyncio.AbstractEventLoop, register: Register,
+                        poll: Poll | None) -> None:
     future: asyncio.Future[None] = loop.create_future()
     home = threading.get_ident()
 
@@ -46,22 +57,30 @@ async def _wait_asyncio(loop: asyncio.AbstractEventLoop, register: Register) -> 
             pass
 
     if register(wake):
+        if poll is not None:
+            until = time.monotonic() + POLL_FOR
+            while not future.done() and time.monotonic() < until:
+                poll()
+                await asyncio.sleep(0)
         await future
 
 
-async def _wait_trio(register: Register) -> None:
+async def _wait_trio(register: Register, poll: Poll | None) -> None:
     import trio
 
     task = trio.lowlevel.current_task()
     token = trio.lowlevel.current_trio_token()
     home = threading.get_ident()
     waiting = True
+    parked = poll is None  # while polling, the task is not parked: a wake only says so
 
     def resume() -> None:
-        nonlocal waiting
+        nonlocal waiting, parked
         if waiting:
             waiting = False
-            trio.lowlevel.reschedule(task)
+            if parked:
+                parked = False
+                trio.lowlevel.reschedule(task)
 
     def wake() -> None:
         if threading.get_ident() == home:
@@ -78,4 +97,12 @@ async def _wait_trio(register: Register) -> None:
         return trio.lowlevel.Abort.SUCCEEDED
 
     if register(wake):
+        if poll is not None:
+            until = time.monotonic() + POLL_FOR
+            while waiting and time.monotonic() < until:
+                poll()
+                await trio.lowlevel.checkpoint()
+            if not waiting:
+                return
+            parked = True
         await trio.lowlevel.wait_task_rescheduled(abort)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import math
 import pickle
 import signal
 import threading
@@ -91,6 +92,11 @@ class MPIFabric:
         self.lost: str | None = None  # why a peer is known to be gone, if one is
         self.mpi_errors: list[str] = []  # what MPI reported (about dead peers), first few
         self._closed = False
+        self._poll_lock = threading.Lock()  # one poller at a time: arrivals stay in order
+        self._polled_at = -math.inf  # when a task last polled (`poll`)
+        from mpi4py import MPI
+
+        self._mpi, self._byte, self._status = MPI, MPI.BYTE, MPI.Status()
         _open.add(self)
         self._thread = threading.Thread(target=self._progress, name=f"aaccl-mpi-{self.rank}",
                                         daemon=True)
@@ -121,12 +127,12 @@ class MPIFabric:
                   msg.notice)
         self._send_obj(header, dst, HEADER)
         if nbytes:
-            self._isend([payload, nbytes, _BYTE()], dst, _payload_tag(msg_id), payload)
+            self._isend([payload, nbytes, self._byte], dst, _payload_tag(msg_id), payload)
         return request
 
     def _send_obj(self, obj: object, dst: int, tag: int) -> None:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        self._isend([data, len(data), _BYTE()], dst, tag, data)
+        self._isend([data, len(data), self._byte], dst, tag, data)
 
     def _isend(self, buf: Any, dst: int, tag: int, keepalive: object) -> None:
         """Start an MPI send; `keepalive` (what it reads) lives until it completes."""
@@ -140,27 +146,47 @@ class MPIFabric:
 
     # -- the progress thread --------------------------------------------------------
 
-    def _progress(self) -> None:
-        from mpi4py import MPI
+    def poll(self) -> bool:
+        """Make progress once, on the calling thread (a task waiting for a call polls
+        here instead of waiting for the progress thread to wake it); False if nothing
+        came, or another thread is polling right now."""
+        self._polled_at = time.monotonic()
+        if not self._poll_lock.acquire(blocking=False):
+            return False
+        try:
+            return self._poll_once()
+        finally:
+            self._poll_lock.release()
 
-        status = MPI.Status()
+    def _poll_once(self) -> bool:
+        MPI, status = self._mpi, self._status
+        try:
+            # MPICH's Improbe matches what it has already taken in, then makes
+            # progress: a message that came during a nap is found by a second probe
+            message = (self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+                       or self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status))
+            if message is not None:
+                self._take(message, status)
+            if self._arriving:
+                self._arrivals()
+        except MPI.Exception as error:  # a peer died mid-message: that one is lost
+            self._mpi_error(error)
+            return False
+        return message is not None
+
+    def _progress(self) -> None:
         last = time.monotonic()
         while not self._closed:
-            try:
-                # MPICH's Improbe matches what it has already taken in, then makes
-                # progress: a message that came during a nap is found by a second probe
-                message = (self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-                           or self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status))
-                if message is not None:
-                    last = time.monotonic()
-                    self._take(message, status)
-                if self._arriving:
-                    self._arrivals()
-            except MPI.Exception as error:  # a peer died mid-message: that one is lost
-                self._mpi_error(error)
+            if time.monotonic() - self._polled_at < SPIN:
+                # a task polls: keep out of its way (our polls would contend with it
+                # for the GIL, and find nothing it has not taken already)
                 time.sleep(IDLE_SLEEP)
                 continue
-            if message is None:
+            with self._poll_lock:
+                message = self._poll_once()
+            if message:
+                last = time.monotonic()
+            else:
                 if self._arriving:  # payloads on their way: poll on, letting threads run
                     last = time.monotonic()
                     time.sleep(0)
@@ -173,8 +199,8 @@ class MPIFabric:
         if len(self._in_flight) > 64:
             self._reap()
         src, tag = status.Get_source(), status.Get_tag()
-        data = bytearray(status.Get_count(_BYTE()))
-        message.Recv([data, _BYTE()])
+        data = bytearray(status.Get_count(self._byte))
+        message.Recv([data, self._byte])
         obj = pickle.loads(data)
         if tag == HEADER:
             self._receive(src, *obj)
@@ -195,7 +221,7 @@ class MPIFabric:
         if not tombstone:
             payload = np.empty(nbytes, np.uint8)
             if nbytes:  # never a blocking receive: the sender may die before it is done
-                request = self.comm.Irecv([payload, nbytes, _BYTE()], src, _payload_tag(msg_id))
+                request = self.comm.Irecv([payload, nbytes, self._byte], src, _payload_tag(msg_id))
         msg = Message(src, key, seq, tag, payload, eager, tombstone)
         msg.fp, msg.notice = fp, notice
         if not tombstone and (nbytes or not eager):  # the sender waits for our ack
@@ -337,6 +363,9 @@ class MPIPort:
     def post(self, dst: int, msg: Message, timeout_code: int) -> Wait | None:
         return self.fabric.post(dst, msg, timeout_code)
 
+    def poll(self) -> bool:
+        return self.fabric.poll()
+
     def close(self) -> None:
         pass
 
@@ -374,9 +403,3 @@ def _mpi_exception() -> type[Exception]:
     from mpi4py import MPI
 
     return MPI.Exception
-
-
-def _BYTE() -> Any:
-    from mpi4py import MPI
-
-    return MPI.BYTE
