@@ -135,7 +135,7 @@ class ACCL:
         self._closed = False
         self._departed = False  # told the other ranks it left (`_depart`)
         # progress a waiting task makes itself (the MPI fabric), see _bridge.wait
-        self._poll: Callable[[], object] | None = getattr(driver.device, "poll", None)
+        self._poller: _bridge.Poller | None = getattr(driver.device, "poller", None)
 
     @classmethod
     async def open(cls, driver: Driver) -> ACCL:

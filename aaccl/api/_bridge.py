@@ -13,28 +13,37 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 Register = Callable[[Callable[[], None]], bool]
 """Registers `wake`; returns False (and never calls it) if the event already happened."""
 
-Poll = Callable[[], object]
-"""Makes progress on the device's messages on the calling thread (the MPI fabric)."""
+class Poller(Protocol):
+    """A device whose progress a waiting task can make itself (the MPI fabric)."""
+
+    def poll(self) -> object:
+        """Make progress once, on the calling thread."""
+
+    def park(self) -> None:
+        """A task stopped polling before its call finished: the device's own thread
+        takes over."""
+
 
 POLL_FOR = 0.002
-"""Seconds a task polls (`poll`, then a yield to the other tasks) before it leaves the
-waiting to the device's own thread: a quick answer then costs no thread hop and no
-wake-up of the loop, and a long wait costs no core."""
+"""Seconds a task polls (then yields to the other tasks, and again) before it leaves
+the waiting to the device's own thread: a quick answer then costs no thread hop and
+no wake-up of the loop, and a long wait costs no core."""
 
 
-async def wait(register: Register, poll: Poll | None = None) -> None:
+async def wait(register: Register, poller: Poller | None = None) -> None:
     """Suspend the current task until the registered `wake` is called from any thread;
-    with `poll`, poll for a while first."""
+    with a `poller`, poll it for a while first."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
-        await _wait_trio(register, poll)
+        await _wait_trio(register, poller)
     else:
-        await _wait_asyncio(loop, register, poll)
+        await _wait_asyncio(loop, register, poller)
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -43,7 +52,7 @@ def _resolve(future: asyncio.Future[None]) -> None:
 
 
 async def _wait_asyncio(loop: asyncio.AbstractEventLoop, register: Register,
-                        poll: Poll | None) -> None:
+                        poller: Poller | None) -> None:
     future: asyncio.Future[None] = loop.create_future()
     home = threading.get_ident()
 
@@ -57,22 +66,24 @@ async def _wait_asyncio(loop: asyncio.AbstractEventLoop, register: Register,
             pass
 
     if register(wake):
-        if poll is not None:
+        if poller is not None:
             until = time.monotonic() + POLL_FOR
             while not future.done() and time.monotonic() < until:
-                poll()
+                poller.poll()
                 await asyncio.sleep(0)
+            if not future.done():
+                poller.park()
         await future
 
 
-async def _wait_trio(register: Register, poll: Poll | None) -> None:
+async def _wait_trio(register: Register, poller: Poller | None) -> None:
     import trio
 
     task = trio.lowlevel.current_task()
     token = trio.lowlevel.current_trio_token()
     home = threading.get_ident()
     waiting = True
-    parked = poll is None  # while polling, the task is not parked: a wake only says so
+    parked = poller is None  # while polling, the task is not parked: a wake only says so
 
     def resume() -> None:
         nonlocal waiting, parked
@@ -97,12 +108,13 @@ async def _wait_trio(register: Register, poll: Poll | None) -> None:
         return trio.lowlevel.Abort.SUCCEEDED
 
     if register(wake):
-        if poll is not None:
+        if poller is not None:
             until = time.monotonic() + POLL_FOR
             while waiting and time.monotonic() < until:
-                poll()
+                poller.poll()
                 await trio.lowlevel.checkpoint()
             if not waiting:
                 return
             parked = True
+            poller.park()
         await trio.lowlevel.wait_task_rescheduled(abort)

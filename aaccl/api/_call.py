@@ -140,8 +140,8 @@ class Call:
             trace = _trace.active()
             began = time.perf_counter_ns() if trace is not None else 0
             try:
-                poll = getattr(self.owner, "_poll", None)
-                yield from _bridge.wait(self._register, poll).__await__()
+                poller = getattr(self.owner, "_poller", None)
+                yield from _bridge.wait(self._register, poller).__await__()
             except BaseException:
                 self._given_up = not self._finished  # cancelled: see ACCL._settle
                 raise

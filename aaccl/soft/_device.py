@@ -35,7 +35,7 @@ class SoftDevice:
     def __init__(self, session: int, port: Port, *, in_order: bool = False) -> None:
         self.session, self.port = session, port
         self.inbox, self.engine = port.inbox, port.engine
-        self.poll = getattr(port, "poll", None)  # see ACCL._poll
+        self.poller = getattr(port, "poller", None)  # see ACCL._poller
         self.in_order = in_order
         self.exchmem = np.zeros(xm.SIZE // 4, np.uint32)
         self.exchmem[xm.HWID // 4] = HWID

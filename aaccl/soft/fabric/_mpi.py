@@ -1,10 +1,12 @@
 """The MPI fabric: one soft CCLO per process, messages carried by MPI (mpi4py).
 
-Every message travels as a small header (pickled) and, unless empty, its payload
-(raw bytes, under a tag of its own). A progress thread in each process receives
-them and posts them to the process's progress engine as events, so neither the
-event loop nor MPI ever waits on the other. The receiver acknowledges a message
-once it is done with it.
+Every message travels as a small header (pickled), followed in the same MPI message
+by its payload if that is small, or else by the payload as raw bytes under a tag of
+its own. Whoever polls receives them and posts them to the process's progress engine
+as events: a task awaiting a call polls for a while itself (so a quick answer
+completes the call on the event loop's thread), and otherwise a progress thread
+does, so neither the event loop nor MPI ever waits on the other. The receiver
+acknowledges a message once it is done with it.
 
 Flow control keeps the eager semantics of the CCLO: a sender may have at most its
 share of the receiver's rx buffers (`nbufs / (size - 1)` segments) in eager
@@ -50,6 +52,13 @@ PAYLOAD_TAGS = 1 << 20
 """Payload tags are PAYLOAD_TAGS + (message id modulo PAYLOAD_TAGS), past the control tags."""
 
 IDLE_SLEEP = 0.0002
+TASK_NAP = 0.005
+"""While tasks poll, the progress thread looks only this often (or when one parks)."""
+
+INLINE_BYTES = 1 << 14
+"""Payloads up to this size travel in their header's message: one MPI message to
+match, and no payload receive to wait for."""
+
 SPIN = 0.0005
 """For SPIN seconds after the last message the progress thread polls with only a
 sleep(0) between polls (a loop without any sleep would keep the GIL, for up to the
@@ -94,6 +103,7 @@ class MPIFabric:
         self._closed = False
         self._poll_lock = threading.Lock()  # one poller at a time: arrivals stay in order
         self._polled_at = -math.inf  # when a task last polled (`poll`)
+        self._tasks_gone = threading.Event()  # a polling task parked (`park`)
         from mpi4py import MPI
 
         self._mpi, self._byte, self._status = MPI, MPI.BYTE, MPI.Status()
@@ -121,12 +131,17 @@ class MPIFabric:
             request: _Awaited | None = None
             if not eager and not msg.tombstone:
                 request = self._waiting[msg_id] = _Awaited(self, dst, msg_id, timeout_code)
-        if eager and payload is not None:
-            payload = payload.copy()  # the send completes now: MPI must not read our memory
-        header = (msg_id, msg.key, msg.seq, msg.tag, eager, msg.tombstone, nbytes, msg.fp,
-                  msg.notice)
+        inline = 0 < nbytes <= INLINE_BYTES
+        header = (msg_id, msg.key, msg.seq, msg.tag, eager, msg.tombstone, nbytes, inline,
+                  msg.fp, msg.notice)
+        if inline:  # one message: the header, then a snapshot of the payload
+            data = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL) + payload.tobytes()
+            self._isend([data, len(data), self._byte], dst, HEADER, data)
+            return request
         self._send_obj(header, dst, HEADER)
         if nbytes:
+            if eager:  # the send completes now: MPI must not read our memory
+                payload = payload.copy()
             self._isend([payload, nbytes, self._byte], dst, _payload_tag(msg_id), payload)
         return request
 
@@ -150,13 +165,19 @@ class MPIFabric:
         """Make progress once, on the calling thread (a task waiting for a call polls
         here instead of waiting for the progress thread to wake it); False if nothing
         came, or another thread is polling right now."""
-        self._polled_at = time.monotonic()
+        self._polled_at = time.monotonic()  # (the progress thread stays out of the way)
         if not self._poll_lock.acquire(blocking=False):
             return False
         try:
             return self._poll_once()
         finally:
             self._poll_lock.release()
+
+    def park(self) -> None:
+        """A task stopped polling before its call finished: the progress thread, which
+        waits while tasks poll, takes over at once."""
+        self._polled_at = -math.inf
+        self._tasks_gone.set()
 
     def _poll_once(self) -> bool:
         MPI, status = self._mpi, self._status
@@ -177,10 +198,11 @@ class MPIFabric:
     def _progress(self) -> None:
         last = time.monotonic()
         while not self._closed:
+            self._tasks_gone.clear()
             if time.monotonic() - self._polled_at < SPIN:
-                # a task polls: keep out of its way (our polls would contend with it
-                # for the GIL, and find nothing it has not taken already)
-                time.sleep(IDLE_SLEEP)
+                # a task polls: keep out of its way until it parks (even a nap's wake-up
+                # takes the GIL, and the task waits for it until we get a core)
+                self._tasks_gone.wait(TASK_NAP)
                 continue
             with self._poll_lock:
                 message = self._poll_once()
@@ -203,7 +225,7 @@ class MPIFabric:
         message.Recv([data, self._byte])
         obj = pickle.loads(data)
         if tag == HEADER:
-            self._receive(src, *obj)
+            self._receive(src, data, *obj)
         elif tag == ACK:
             self._acked(obj)
         elif tag == WITHDRAW:  # handled after the message it withdraws
@@ -214,11 +236,14 @@ class MPIFabric:
         if msg is not None:
             self.engine.post(self.inbox.withdraw, msg)
 
-    def _receive(self, src: int, msg_id: int, key: Any, seq: int, tag: int, eager: bool,
-                 tombstone: bool, nbytes: int, fp: Any = None,
+    def _receive(self, src: int, data: bytearray, msg_id: int, key: Any, seq: int, tag: int,
+                 eager: bool, tombstone: bool, nbytes: int, inline: bool, fp: Any = None,
                  notice: tuple[int, str] | None = None) -> None:
+        """A header (in `data`, maybe followed by its payload) has come from `src`."""
         payload, request = None, None
-        if not tombstone:
+        if inline:  # the payload is the message's tail
+            payload = np.frombuffer(data, np.uint8, nbytes, len(data) - nbytes)
+        elif not tombstone:
             payload = np.empty(nbytes, np.uint8)
             if nbytes:  # never a blocking receive: the sender may die before it is done
                 request = self.comm.Irecv([payload, nbytes, self._byte], src, _payload_tag(msg_id))
@@ -363,8 +388,9 @@ class MPIPort:
     def post(self, dst: int, msg: Message, timeout_code: int) -> Wait | None:
         return self.fabric.post(dst, msg, timeout_code)
 
-    def poll(self) -> bool:
-        return self.fabric.poll()
+    @property
+    def poller(self) -> MPIFabric:
+        return self.fabric
 
     def close(self) -> None:
         pass
