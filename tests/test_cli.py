@@ -1,7 +1,12 @@
-"""`aaccl launch`: the mpiexec command line it builds, and a real launch."""
+"""`aaccl`'s small commands: `launch` (the mpiexec command line it builds, how it
+reads its program, real launches), `--version`, `info`, and `trace plot`'s help."""
 
 from __future__ import annotations
 
+import importlib.util
+import io
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -9,10 +14,17 @@ from pathlib import Path
 
 import pytest
 
+import aaccl
+import aaccl.cli
 from aaccl.cli import command, main
-from aaccl.cli._launch import job_status
+from aaccl.cli._launch import SHIM, job_status
+from aaccl.cli._rank import WholeLines
 
-RANK = [sys.executable, "-m", "aaccl.cli._rank"]  # each rank records its exit status
+RANK = [sys.executable, "-c", SHIM]  # each rank records its exit status
+HAVE_MPI = (importlib.util.find_spec("mpi4py") is not None
+            and (shutil.which("mpiexec") is not None
+                 or (Path(sys.executable).parent / "mpiexec").exists()))
+needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason="no MPI: pip install 'aaccl[mpi]'")
 
 
 def test_command_for_hydra_keeps_survivors_alive() -> None:
@@ -33,6 +45,52 @@ def test_command_for_other_launchers() -> None:
     assert cmd == ["mpirun", "-n", "2", "--hostfile", "hosts", *RANK, "-m", "pkg.app"]
 
 
+def test_prepend_rank_passes_the_launchers_own_option() -> None:
+    """hydra's -prepend-rank, Open MPI's --tag-output; the ranks then write whole
+    lines (the launchers prefix every chunk they read)."""
+    assert command("mpiexec", 2, ["app.py"], None, hydra=True, prepend_rank=True) == \
+        ["mpiexec", "-n", "2", "-disable-auto-cleanup", "-prepend-rank", *RANK,
+         "--whole-lines", "app.py"]
+    assert command("mpirun", 2, ["-m", "app"], None, hydra=False, prepend_rank=True) == \
+        ["mpirun", "-n", "2", "--tag-output", *RANK, "--whole-lines", "-m", "app"]
+
+
+@pytest.mark.parametrize(("argv", "program"), [
+    (["-n", "2", "-m", "aaccl", "bench", "-n", "3", "-b", "8"],
+     ["-m", "aaccl", "bench", "-n", "3", "-b", "8"]),  # what follows -m is the module's
+    (["-n", "2", "-m", "pkg.app", "--", "x"], ["-m", "pkg.app", "--", "x"]),
+    (["-n", "2", "-c", "print(1)", "-m", "x"], ["-c", "print(1)", "-m", "x"]),
+    (["-n", "2", "app.py", "-n", "3", "-m", "x"], ["app.py", "-n", "3", "-m", "x"]),
+    (["-n", "2", "--", "-m", "pkg.app", "-l"], ["-m", "pkg.app", "-l"]),
+    (["-l", "-n", "2", "app.py"], ["app.py"]),
+])
+def test_launch_reads_its_program_as_python_does(argv: list[str], program: list[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    launched: list[tuple] = []
+    monkeypatch.setattr(aaccl.cli, "launch", lambda *args: launched.append(args) or 0)
+    assert main(["launch", *argv]) == 0
+    ((nprocs, got, hostfile, mpiexec, prepend),) = launched
+    assert (nprocs, got, hostfile, mpiexec, prepend) == (2, program, None, None, "-l" in argv[:1])
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["-n", "2", "-m"], "-m needs a module"), (["-n", "2", "-c"], "-c needs code"),
+    (["-n", "2"], "name the program"), (["-m", "aaccl", "-n", "2"], "-n"),
+    (["-n", "2", "-m", "x", "-c", "y"], None),  # -c is the module's argument here
+])
+def test_launch_without_a_program_is_a_usage_error(argv: list[str], says: str | None,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(aaccl.cli, "launch", lambda *args: 0)
+    if says is None:
+        assert main(["launch", *argv]) == 0
+        return
+    with pytest.raises(SystemExit) as exc:
+        main(["launch", *argv])
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
 def test_job_status_prefers_the_ranks_own_statuses() -> None:
     assert job_status(255, [0, 7], 2) == 7  # hydra's own error hides the rank's status
     assert job_status(0, [0, 0, 0], 3) == 0
@@ -49,10 +107,8 @@ def test_bad_arguments_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> No
     assert "program" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(shutil.which("mpiexec") is None and not (Path(sys.executable).parent / "mpiexec").exists(),
-                    reason="no mpiexec: pip install 'aaccl[mpi]'")
+@needs_mpi
 def test_launch_forwards_the_jobs_exit_code(tmp_path: Path) -> None:
-    pytest.importorskip("mpi4py")
     script = tmp_path / "app.py"
     script.write_text("import sys\nfrom mpi4py import MPI\n"
                       "sys.exit(7 if MPI.COMM_WORLD.rank == 1 else 0)\n")
@@ -69,6 +125,114 @@ def test_launch_forwards_the_jobs_exit_code(tmp_path: Path) -> None:
     ok = subprocess.run([sys.executable, "-m", "aaccl", "launch", "-n", "2", "--", "-c",
                          "pass"], timeout=120)
     assert ok.returncode == 0
+
+
+# `aaccl` as its console script runs: without the working directory on sys.path
+AACCL = [sys.executable, "-c",
+         "import sys; del sys.path[0]; from aaccl.cli import main; sys.exit(main())"]
+
+
+def _launch(*args: str, cwd: Path, env: dict[str, str] | None = None,
+            ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*AACCL, "launch", *args], check=False, cwd=cwd,
+                          env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=120)
+
+
+@needs_mpi
+def test_ranks_import_the_installed_aaccl_and_see_their_own_directory(tmp_path: Path) -> None:
+    """Started from a directory holding a folder named `aaccl` (a checkout, say),
+    every rank still runs the installed aaccl; the program gets the sys.path entry
+    `python` gives it: the script's directory, the working directory for -m, "" for
+    -c."""
+    shadow = tmp_path / "aaccl"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('the folder, not the package')\n")
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "helper.py").write_text("NAME = 'helper beside the script'\n")
+    report = ("import sys, aaccl\nfrom mpi4py import MPI\n"  # one write: a whole line
+              "sys.stdout.write(f'{MPI.COMM_WORLD.rank} {sys.path[0]!r} {aaccl.__file__} "
+              "{sys.argv[1:]}\\n')\n")
+    (app / "script.py").write_text("import helper\n" + report)
+    (tmp_path / "module_here.py").write_text(report)
+    installed = aaccl.__file__
+
+    def lines(done: subprocess.CompletedProcess[str]) -> list[str]:
+        assert done.returncode == 0, done.stdout + done.stderr
+        return sorted(done.stdout.splitlines())
+
+    assert lines(_launch("-n", "2", "app/script.py", "-x", cwd=tmp_path)) == \
+        [f"{r} {str(app)!r} {installed} ['-x']" for r in (0, 1)]
+    assert lines(_launch("-n", "2", "-m", "module_here", "-n", "5", cwd=tmp_path)) == \
+        [f"{r} {str(tmp_path)!r} {installed} ['-n', '5']" for r in (0, 1)]
+    assert lines(_launch("-n", "2", "-c", report, "y", cwd=tmp_path)) == \
+        [f"{r} '' {installed} ['y']" for r in (0, 1)]
+    assert lines(_launch("-n", "2", "-m", "aaccl", "--version", cwd=tmp_path)) == \
+        [f"aaccl {aaccl.__version__}"] * 2
+
+
+def test_whole_lines_wait_for_their_newline_or_a_flush() -> None:
+    readable, writable = os.pipe()
+    os.set_blocking(readable, False)
+
+    def handed_over() -> bytes:
+        try:
+            return os.read(readable, 1 << 16)
+        except BlockingIOError:
+            return b""
+
+    try:
+        out = WholeLines(writable)
+        assert out.write(b"par") == 3 and handed_over() == b""
+        assert out.write(memoryview(b"t\none\ntw")) == 8 and handed_over() == b"part\none\n"
+        out.flush()
+        assert handed_over() == b"tw"
+        text = io.TextIOWrapper(WholeLines(writable), "utf-8", write_through=True)
+        print("é", end="", file=text)
+        assert handed_over() == b""
+        print(file=text)
+        assert handed_over() == "é\n".encode()
+    finally:
+        os.close(readable)
+        os.close(writable)
+
+
+@needs_mpi
+def test_prepend_rank_starts_every_line_with_its_rank(tmp_path: Path) -> None:
+    """Each rank's lines, in order, whole and prefixed, on stdout and stderr, even
+    when Python writes a line's text and its newline apart (PYTHONUNBUFFERED)."""
+    (tmp_path / "talk.py").write_text(
+        "import sys\nfrom mpi4py import MPI\nr = MPI.COMM_WORLD.rank\n"
+        "for i in range(300):\n    print(f'rank {r} line {i}', 'x' * 50)\n"
+        "print(f'two\\nlines {r}')\n"
+        "sys.stdout.write('in '); sys.stdout.write(f'pieces {r}\\n')\n"
+        "print(f'rank {r} complains', file=sys.stderr)\n"
+        "raise SystemExit(f'rank {r} ends')\n")
+    done = _launch("-n", "2", "-l", "talk.py", cwd=tmp_path, env={"PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 1, done.stderr
+    for r in (0, 1):
+        mine = [line[len(f"[{r}] "):] for line in done.stdout.splitlines()
+                if line.startswith(f"[{r}] ")]
+        assert mine == [f"rank {r} line {i} " + "x" * 50 for i in range(300)] + \
+            ["two", f"lines {r}", f"in pieces {r}"], mine[-5:]
+    assert all(re.fullmatch(r"\[[01]\] .*", line) for line in done.stdout.splitlines())
+    errors = done.stderr.splitlines()
+    for r in (0, 1):
+        assert f"[{r}] rank {r} complains" in errors and f"[{r}] rank {r} ends" in errors
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"aaccl {aaccl.__version__}\n"
+
+
+def test_trace_plot_names_its_default_output(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["trace", "plot", "--help"])
+    assert "(default: timeline.png)" in " ".join(capsys.readouterr().out.split())
 
 
 # -- aaccl info ----------------------------------------------------------------------------

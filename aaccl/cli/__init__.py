@@ -7,6 +7,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from .. import __version__
 from . import _bench, _info
 from ._launch import command, find_mpiexec, launch
 
@@ -15,17 +16,29 @@ __all__ = ["command", "find_mpiexec", "launch", "main"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aaccl", description="aaccl's tools")
+    parser.add_argument("--version", action="version", version=f"aaccl {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
         "launch", help="run a program as N ranks, one process each, with mpiexec",
-        description="Run PROGRAM as N ranks, one process each, with the installed mpiexec; "
-                    "in it, aaccl.run(main) runs the process's own rank. Exits with the "
-                    "job's exit status.")
+        usage="aaccl launch [-h] -n N [-l] [--hostfile HOSTFILE] [--mpiexec MPIEXEC]\n"
+              "                    (script.py | -m module | -c code) [arg ...]",
+        description="Run a Python program as N ranks, one process each, with the installed "
+                    "mpiexec; in it, aaccl.run(main) runs the process's own rank. As with "
+                    "python, the program is a script, -m module or -c code, and whatever "
+                    "follows it is its own arguments. Exits with the job's exit status.")
     run.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
+    run.add_argument("-l", "--prepend-rank", action="store_true",
+                     help="start each line a rank prints with its rank, as [0] "
+                          "(mpiexec's -prepend-rank)")
     run.add_argument("--hostfile", help="hosts to run on (mpiexec's hostfile format)")
     run.add_argument("--mpiexec", help="the mpiexec to use (default: the installed one)")
+    source = run.add_mutually_exclusive_group()
+    source.add_argument("-m", dest="module", nargs=argparse.REMAINDER,
+                        help="run a module as the program, as python -m module [arg ...]")
+    source.add_argument("-c", dest="code", nargs=argparse.REMAINDER,
+                        help="run code as the program, as python -c code [arg ...]")
     run.add_argument("program", nargs=argparse.REMAINDER,
-                     help="script and its arguments (or -m module ...)")
+                     help="the script and its arguments")
     info = commands.add_parser(
         "info", help="list the devices this machine can drive, and why others are out",
         description="List aaccl's devices (soft CCLO, MPI, ACCL's emulator, XRT, PYNQ): "
@@ -48,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Draw a Chrome/Perfetto trace written by aaccl.tracing(path) as a PNG "
                     "timeline: one row per rank and lane, one colour per operation.")
     draw.add_argument("trace", help="the trace JSON")
-    draw.add_argument("-o", "--output", default="timeline.png", help="the PNG to write")
+    draw.add_argument("-o", "--output", default="timeline.png",
+                      help="the PNG to write (default: %(default)s)")
     draw.add_argument("--title", help="the plot's title (default: the trace's file name)")
     args = parser.parse_args(argv)
     if args.command == "trace":
@@ -66,13 +80,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "info":
         print(_info.render(_info.report(args.emulator_port), args.json))
         return 0
-    if args.program[:1] == ["--"]:  # `aaccl launch -n 2 -- -m package.module`
-        args.program = args.program[1:]
     if args.nprocs < 1:
         parser.error("-n must be at least 1")
-    if not args.program:
-        parser.error("name the program to run")
-    return launch(args.nprocs, args.program, args.hostfile, args.mpiexec)
+    program = args.program[1:] if args.program[:1] == ["--"] else args.program
+    for flag, given in (("-m", args.module), ("-c", args.code)):
+        if given is not None:  # python's -m and -c: all that follows is the program's
+            if not given:
+                run.error(f"{flag} needs {'a module' if flag == '-m' else 'code'} to run")
+            program = [flag, *given, *args.program]
+    if not program:
+        run.error("name the program to run")
+    return launch(args.nprocs, program, args.hostfile, args.mpiexec, args.prepend_rank)
 
 
 if __name__ == "__main__":

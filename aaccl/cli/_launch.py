@@ -11,6 +11,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from ._rank import WHOLE_LINES
+
 
 def find_mpiexec(explicit: str | None = None) -> str:
     """The mpiexec to use: the one named, the one installed beside this Python (the
@@ -36,10 +38,19 @@ def is_hydra(mpiexec: str) -> bool:
     return "HYDRA" in (out.stdout + out.stderr).upper()
 
 
+# Each rank's supervisor (_rank.py), started without the working directory on
+# sys.path (`python -m` would put it first, and a folder there named `aaccl` would
+# shadow the installed package); _rank.run gives the program the sys.path entry
+# `python` would.
+SHIM = ("import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; "
+        "from aaccl.cli._rank import main; main(sys.argv[1:])")
+
+
 def command(mpiexec: str, nprocs: int, program: Sequence[str], hostfile: str | None,
-            hydra: bool) -> list[str]:
-    """The mpiexec command line that runs `program` (a script and its arguments, or
-    `-m module ...`) as `nprocs` ranks."""
+            hydra: bool, prepend_rank: bool = False) -> list[str]:
+    """The mpiexec command line that runs `program` (a script and its arguments,
+    `-m module ...` or `-c code ...`) as `nprocs` ranks; with `prepend_rank`, the
+    launcher's own option that starts each output line with the rank."""
     cmd = [mpiexec, "-n", str(nprocs)]
     if hostfile:
         cmd += ["-f" if hydra else "--hostfile", hostfile]
@@ -51,8 +62,13 @@ def command(mpiexec: str, nprocs: int, program: Sequence[str], hostfile: str | N
         # normally instead. All ranks of a machine share one proxy, so MPICH moves
         # their messages through shared memory.
         cmd.append("-disable-auto-cleanup")
-    # each rank: a supervisor that records the program's exit status (see _rank.py)
-    return cmd + [sys.executable, "-m", "aaccl.cli._rank", *program]
+    shim = [sys.executable, "-c", SHIM]
+    if prepend_rank:
+        # hydra's -prepend-rank (Open MPI: --tag-output) prefixes each chunk a rank
+        # writes, not each line: the program writes whole lines (see _rank.py)
+        cmd.append("-prepend-rank" if hydra else "--tag-output")
+        shim.append(WHOLE_LINES)
+    return cmd + shim + list(program)
 
 
 def job_status(launcher: int, recorded: Sequence[int], nprocs: int) -> int:
@@ -65,10 +81,10 @@ def job_status(launcher: int, recorded: Sequence[int], nprocs: int) -> int:
 
 
 def launch(nprocs: int, program: Sequence[str], hostfile: str | None = None,
-           mpiexec: str | None = None) -> int:
+           mpiexec: str | None = None, prepend_rank: bool = False) -> int:
     """Run the ranks; return the job's exit status (see `job_status`)."""
     exe = find_mpiexec(mpiexec)
-    cmd = command(exe, nprocs, program, hostfile, is_hydra(exe))
+    cmd = command(exe, nprocs, program, hostfile, is_hydra(exe), prepend_rank)
     with tempfile.TemporaryDirectory(prefix="aaccl-launch-") as statuses:
         env = {**os.environ, "AACCL_LAUNCH_STATUS": statuses}
         # With SIGPIPE ignored (as in Python), hydra sees EPIPE when it writes to the

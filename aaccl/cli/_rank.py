@@ -1,7 +1,11 @@
 """One rank under `aaccl launch`: a small supervisor process and, forked from it, the
 process that runs the program.
 
-    python -m aaccl.cli._rank script.py args...  |  -m module args...  |  -c code args...
+    python -c "$SHIM" [--whole-lines] script.py args... | -m module args... | -c code args...
+
+($SHIM, in _launch.py, imports this module without the working directory on sys.path,
+so that the ranks import the installed aaccl wherever they start; the program then
+gets the sys.path entry `python` would give it.)
 
 Why two processes: MPICH's launcher (hydra) runs the ranks of a machine under one
 proxy, and a proxy SIGKILLs all its ranks as soon as one of them dies of a signal, so
@@ -17,18 +21,26 @@ anyone but its proxy) is forwarded to the program.
 The supervisor writes the program's exit status to $AACCL_LAUNCH_STATUS/<rank> once
 the program has exited (MPI finalized or not), because hydra does not always report
 it; then it exits with that status.
+
+With --whole-lines (`aaccl launch -l`), the program's stdout and stderr hand the
+OS whole lines: the launcher's rank prefix (hydra's -prepend-rank) goes at the start
+of every chunk it reads, so a line written in pieces (print under PYTHONUNBUFFERED
+writes its text and its newline apart) would get a second prefix mid-line.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import runpy
 import signal
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+WHOLE_LINES = "--whole-lines"
 FORWARDED = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2}
 
@@ -44,7 +56,14 @@ def exit_status(exc: SystemExit) -> int:
 
 
 def run(program: list[str]) -> int:
-    """Run the program in this process; its exit status."""
+    """Run the program in this process, with sys.path as `python` would start it
+    (sys.path[0]: the script's directory, the working directory for -m, "" for -c);
+    its exit status."""
+    first = {"-m": os.getcwd(), "-c": ""}.get(program[0])
+    if first is None:
+        first = str(Path(program[0]).resolve().parent)
+    if not getattr(sys.flags, "safe_path", False):  # python -P adds none
+        sys.path.insert(0, first)
     sys.argv = list(program)
     try:
         if program[0] == "-m":
@@ -54,7 +73,6 @@ def run(program: list[str]) -> int:
             sys.argv = ["-c", *program[2:]]
             exec(compile(program[1], "<string>", "exec"), {"__name__": "__main__"})
         else:
-            sys.path[0] = str(Path(program[0]).resolve().parent)
             runpy.run_path(program[0], run_name="__main__")
     except SystemExit as exc:
         return exit_status(exc)
@@ -62,6 +80,48 @@ def run(program: list[str]) -> int:
         traceback.print_exc()
         return 1
     return 0
+
+
+class WholeLines(io.RawIOBase):
+    """A file descriptor that is handed whole lines: an unfinished line waits for
+    its newline, or for a flush (as Python's own streams; the interpreter flushes
+    on exit)."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd, self.pending = fd, bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def write(self, data: Any) -> int:
+        self.pending += data
+        end = self.pending.rfind(b"\n") + 1
+        if end:
+            self._hand_over(end)
+        return len(data)
+
+    def flush(self) -> None:
+        self._hand_over(len(self.pending))
+
+    def _hand_over(self, end: int) -> None:
+        done = 0
+        with memoryview(self.pending) as pending:
+            while done < end:
+                done += os.write(self.fd, pending[done:end])
+        del self.pending[:end]
+
+
+def write_whole_lines() -> None:
+    """Make stdout and stderr hand the OS whole lines (see the module's docstring)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        stream.flush()
+        setattr(sys, name, io.TextIOWrapper(WholeLines(stream.fileno()), stream.encoding,
+                                            stream.errors, write_through=True))
 
 
 def status_of(wait_status: int) -> int:
@@ -100,7 +160,9 @@ def record(status: int) -> None:
         (Path(directory) / rank).write_text(str(status))
 
 
-def main(program: list[str]) -> None:
+def main(argv: list[str]) -> None:
+    whole_lines = argv[:1] == [WHOLE_LINES]
+    program = argv[1:] if whole_lines else argv
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED | {signal.SIGCHLD})
     pid = os.fork()
     if pid == 0:  # the program, to an ordinary interpreter exit (MPI finalizes as usual)
@@ -108,6 +170,8 @@ def main(program: list[str]) -> None:
         # harmless to a program that does not listen for it
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        if whole_lines:
+            write_whole_lines()
         sys.exit(run(program))
     status = supervise(pid)
     record(status)
