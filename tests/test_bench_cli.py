@@ -8,17 +8,21 @@ import importlib.util
 import io
 import json
 import os
+import platform
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+import aaccl
 from aaccl import ReduceFunction
 from aaccl.cli import _bench, main
 from aaccl.cli._bench import (
@@ -208,9 +212,9 @@ def test_rows_take_the_slowest_rank_and_add_wrong_elements() -> None:
     cases = [Case("allreduce", np.dtype(np.float32), ReduceFunction.SUM, -1, 256, 1024)]
     rows = make_rows(cases, [[1e-6], [4e-6]], [[0], [3]], 2)
     (row,) = rows
-    assert (row.op, row.size, row.count, row.type, row.redop, row.root, row.wrong) == \
+    assert (row.op, row.size_bytes, row.count, row.type, row.redop, row.root, row.wrong) == \
         ("allreduce", 1024, 256, "float32", "sum", -1, 3)
-    assert (row.time_us, row.algbw, row.busbw) == pytest.approx((4.0, 0.256, 0.256))
+    assert (row.time_us, row.algbw_gbps, row.busbw_gbps) == pytest.approx((4.0, 0.256, 0.256))
     unchecked = make_rows(cases, [[1e-6], [1e-6]], [[None], [None]], 2)
     assert unchecked[0].wrong is None
 
@@ -280,14 +284,93 @@ def test_every_dtype_and_redop(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(r[-1] == "0" for r in rows)
 
 
-def test_json_lists_the_rows(capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench("-b", "8", "-e", "64", "--ops", "allreduce,alltoall", "--json", *QUICK) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert [(r["op"], r["size"]) for r in rows] == \
-        [("allreduce", s) for s in (8, 16, 32, 64)] + [("alltoall", s) for s in (0, 16, 32, 64)]
-    assert set(rows[0]) == {"op", "size", "count", "type", "redop", "root", "time_us", "algbw",
-                            "busbw", "wrong"}
+def test_json_lists_the_rows_and_the_runs_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench("-b", "8", "-e", "64", "--ops", "allreduce,alltoall", "--json", "--ranks", "3",
+                 *QUICK) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"settings", "versions", "ranks", "notes", "rows"}
+    rows = out["rows"]
+    assert [(r["op"], r["size_bytes"]) for r in rows] == \
+        [("allreduce", s) for s in (8, 16, 32, 64)] + [("alltoall", s) for s in (0, 12, 24, 60)]
+    assert set(rows[0]) == {"op", "size_bytes", "count", "type", "redop", "root", "time_us",
+                            "algbw_gbps", "busbw_gbps", "wrong"}
     assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows)
+    for r in rows:  # the units the keys name: bytes / microseconds = 10^9 bytes/s * 1000
+        assert r["algbw_gbps"] == pytest.approx(r["size_bytes"] / r["time_us"] / 1e3)
+    assert out["settings"] == {
+        "nranks": 3, "device": "soft", "fabric": "inprocess", "ops": ["allreduce", "alltoall"],
+        "dtypes": ["float32"], "redops": ["sum"], "root": 0, "minbytes": 8, "maxbytes": 64,
+        "stepfactor": 2, "warmup_iters": 1, "iters": 2, "check": True, "nbufs": 16,
+        "bufsize_bytes": 1024, "timeout_s": 10.0}
+    assert out["versions"]["aaccl"] == aaccl.__version__
+    assert out["versions"]["numpy"] == np.__version__
+    assert out["versions"]["python"] == platform.python_version()
+    assert [r["rank"] for r in out["ranks"]] == [0, 1, 2]
+    assert {r["pid"] for r in out["ranks"]} == {os.getpid()}
+
+
+def test_no_rank_checks_while_another_is_timed(monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """In-process ranks share one event loop: a result check (numpy, blocking) that
+    ran while another rank's clock ran would be timed as that rank's call. Every
+    rank reads the clock twice per case (start, stop); all of a case's readings come
+    before any rank checks that case."""
+    events: list[str] = []
+    real_clock, real_check = _bench.time.perf_counter, _bench._check
+
+    class Clock:
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def perf_counter() -> float:
+            events.append("clock")
+            return real_clock()
+
+    def check(*args: Any) -> int:
+        events.append("check")
+        return real_check(*args)
+
+    monkeypatch.setattr(_bench, "time", Clock)
+    monkeypatch.setattr(_bench, "_check", check)
+    nranks, ncases = 3, 2 * 3  # two ops, three sizes
+    assert bench("-b", "64K", "-e", "256K", "--ops", "allreduce,allgather", "--ranks",
+                 str(nranks), *QUICK) == 0
+    assert events.count("check") == nranks * ncases
+    assert events.count("clock") == 2 * nranks * ncases
+    readings = 0
+    for event in events:
+        if event == "clock":
+            readings += 1
+        else:  # no rank is between its start and stop readings
+            assert readings % (2 * nranks) == 0, events
+    capsys.readouterr()
+
+
+def test_checked_and_unchecked_times_agree(monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """What a rank spends checking its result must not show in the times: with a
+    check that costs far more than the call (each reference built ten times), times
+    with and without --no-check still agree, within 3x (the machine is noisy:
+    checked and unchecked runs alternate, and the medians are compared)."""
+    right = _bench.expected
+
+    def costly(case: Case, rank: int, nranks: int) -> Expected | None:
+        for _ in range(9):
+            right(case, rank, nranks)
+        return right(case, rank, nranks)
+
+    monkeypatch.setattr(_bench, "expected", costly)
+    args = ["-b", "256K", "-e", "1M", "--ops", "allreduce", "--ranks", "4", "-n", "3", "-w", "1",
+            "--json"]
+    runs: dict[bool, list[list[float]]] = {True: [], False: []}
+    for _ in range(2):
+        for checked in (True, False):
+            assert bench(*args, *([] if checked else ["--no-check"])) == 0
+            rows = json.loads(capsys.readouterr().out)["rows"]
+            runs[checked].append([row["time_us"] for row in rows])
+    checked_us, unchecked_us = (statistics.median(t for run in runs[c] for t in run)
+                                for c in (True, False))
+    assert 1 / 3 < checked_us / unchecked_us < 3, runs
 
 
 def test_a_wrong_reference_fails_the_run(monkeypatch: pytest.MonkeyPatch,
@@ -323,7 +406,7 @@ def test_corrupted_device_data_is_counted(monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.setattr(_bench, "_prepare", corrupt)
     assert bench("-b", "16", "-e", "16", "--ops", "allgather,allreduce", "--json", *QUICK) == 1
-    rows = json.loads(capsys.readouterr().out)
+    rows = json.loads(capsys.readouterr().out)["rows"]
     assert [(r["op"], r["wrong"]) for r in rows] == [("allgather", 4), ("allreduce", 4)]
 
 
@@ -358,8 +441,9 @@ def _mpiexec() -> str | None:
 @pytest.mark.skipif(_mpiexec() is None or importlib.util.find_spec("mpi4py") is None,
                     reason="no MPI: pip install 'aaccl[mpi]'")
 def test_under_mpi_only_rank_0_prints() -> None:
-    cmd = [sys.executable, "-m", "aaccl", "launch", "-n", "2", "--", "-m", "aaccl", "bench",
-           "-b", "8", "-e", "64", "--ops", "allreduce", *QUICK]
+    """`aaccl launch -n 2 -m aaccl bench ...`, as `aaccl bench --help` gives it."""
+    cmd = [sys.executable, "-m", "aaccl", "launch", "-n", "2", "-m", "aaccl", "bench",
+           "-b", "8", "-e", "64", "--ops", "allreduce", "--json", *QUICK]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -372,8 +456,10 @@ def test_under_mpi_only_rank_0_prints() -> None:
         out, err = proc.communicate()
         pytest.fail(f"aaccl bench under MPI hangs\n{out}\n{err}")
     assert proc.returncode == 0, f"{out}\n{err}"
-    assert out.count("# Avg bus bandwidth") == 1, out
-    assert out.count("# allreduce") == 1 and "#  nranks 2  device soft  fabric mpi" in out
-    assert len(re.findall(r"#  Rank +\d+ Pid", out)) == 2
-    rows = table(out)["allreduce"]
-    assert [r[0] for r in rows] == ["8", "16", "32", "64"] and all(r[-1] == "0" for r in rows)
+    run = json.loads(out)  # one document: only rank 0 printed
+    assert run["settings"]["nranks"] == 2 and run["settings"]["fabric"] == "mpi"
+    assert {"mpi4py", "mpi"} <= set(run["versions"]) and run["versions"]["mpi"]  # its library
+    assert [r["rank"] for r in run["ranks"]] == [0, 1]
+    assert len({r["pid"] for r in run["ranks"]}) == 2  # one process each
+    rows = run["rows"]
+    assert [r["size_bytes"] for r in rows] == [8, 16, 32, 64] and all(r["wrong"] == 0 for r in rows)

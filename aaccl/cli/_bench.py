@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import re
 import socket
 import sys
@@ -245,17 +246,17 @@ def count_wrong(got: np.ndarray, want: Expected) -> int:
 
 @dataclass(frozen=True)
 class Row:
-    """One line of the table, and one object of --json."""
+    """One line of the table, and one object of --json's "rows"."""
 
     op: str
-    size: int  # bytes
+    size_bytes: int  # nccl-tests' size
     count: int  # elements: the call's count
     type: str
     redop: str
     root: int
     time_us: float  # the slowest rank's mean time per call
-    algbw: float  # GB/s
-    busbw: float  # GB/s
+    algbw_gbps: float  # 10^9 bytes per second
+    busbw_gbps: float
     wrong: int | None  # None: not checked
 
 
@@ -292,12 +293,13 @@ UNITS_LINE = ("# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s" %
 
 def format_row(row: Row) -> str:
     wrong = "N/A" if row.wrong is None else str(row.wrong)
-    return (f"{row.size:12d}  {row.count:12d}  {row.type:>8}  {row.redop:>6}  {row.root:6d}  "
-            f"{fit(row.time_us, 7)}  {fit(row.algbw, 6)}  {fit(row.busbw, 6)}  {wrong:>6}")
+    return (f"{row.size_bytes:12d}  {row.count:12d}  {row.type:>8}  {row.redop:>6}  {row.root:6d}  "
+            f"{fit(row.time_us, 7)}  {fit(row.algbw_gbps, 6)}  {fit(row.busbw_gbps, 6)}  "
+            f"{wrong:>6}")
 
 
 def average_busbw(rows: Sequence[Row]) -> float:
-    return sum(r.busbw for r in rows) / len(rows) if rows else 0.0
+    return sum(r.busbw_gbps for r in rows) / len(rows) if rows else 0.0
 
 
 def format_table(rows: Sequence[Row]) -> list[str]:
@@ -336,6 +338,27 @@ def format_header(args: argparse.Namespace, nranks: int, fabric: str,
               for r in ranks]
     lines += [f"# {note}" for note in notes]
     return lines
+
+
+def describe(args: argparse.Namespace, settings: Settings, nranks: int, fabric: str | None,
+             ranks: Sequence[RankInfo], notes: Sequence[str],
+             versions: dict[str, str]) -> dict[str, Any]:
+    """--json's account of the run beside its rows: what ran, where, with which
+    software (units in the key names, as in the rows)."""
+    return {
+        "settings": {
+            "nranks": nranks, "device": args.device, "fabric": fabric,
+            "ops": list(settings.ops), "dtypes": [np.dtype(d).name for d in settings.dtypes],
+            "redops": [r.name.lower() for r in settings.redops], "root": settings.root,
+            "minbytes": args.minbytes, "maxbytes": args.maxbytes,
+            "stepfactor": args.stepfactor, "warmup_iters": settings.warmup,
+            "iters": settings.iters, "check": settings.check, "nbufs": args.nbufs,
+            "bufsize_bytes": args.bufsize, "timeout_s": args.timeout,
+        },
+        "versions": versions,
+        "ranks": [asdict(r) for r in ranks],
+        "notes": list(notes),
+    }
 
 
 # -- progress (to a terminal only) -----------------------------------------------------------
@@ -447,7 +470,8 @@ def _prepare(accl: aaccl.ACCL, case: Case, sbuf: aaccl.Buffer, rbuf: aaccl.Buffe
 
 async def _sync(accl: aaccl.ACCL, settings: Settings,
                 scratch: tuple[aaccl.Buffer, aaccl.Buffer]) -> None:
-    """Line the ranks up before the clock starts."""
+    """Wait for every rank: a barrier (or, on ACCL's emulator, an allreduce of one
+    element), which no rank leaves before all have entered."""
     if settings.use_barrier:
         await accl.barrier()
     else:
@@ -456,7 +480,12 @@ async def _sync(accl: aaccl.ACCL, settings: Settings,
 
 async def run_rank(accl: aaccl.ACCL, settings: Settings, progress: Progress | None = None,
                    ) -> tuple[list[float], list[int | None]]:
-    """This rank's sweep: per case, its mean seconds per call and its wrong elements."""
+    """This rank's sweep: per case, its mean seconds per call and its wrong elements.
+
+    Each case is timed between two synchronizations of all ranks (the clock stops
+    before the second) and checked after the second: in-process ranks share one
+    event loop (and processes a machine's CPUs), so a rank checking its result while
+    another is still timing would add the check to the other's time."""
     cases = plan(settings.ops, settings.dtypes, settings.redops, settings.root,
                  settings.sizes, accl.size)
     times: list[float] = []
@@ -483,6 +512,7 @@ async def run_rank(accl: aaccl.ACCL, settings: Settings, progress: Progress | No
                 for call in _start(accl, case, sbuf, rbuf):
                     await call
             times.append((time.perf_counter() - began) / settings.iters)
+            await _sync(accl, settings, scratch)  # every rank has stopped its clock
             wrongs.append(_check(accl, case, sbuf, rbuf) if settings.check else None)
             if progress is not None:
                 progress.advance(f"{case.op} {case.nbytes} B")
@@ -572,7 +602,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--timeout", type=float, default=10.0,
         help="seconds a call waits for a peer (default 10)")
     add("--no-check", action="store_true", help="skip checking results (#wrong: N/A)")
-    add("--json", action="store_true", help="print the rows as a JSON list instead of the table")
+    add("--json", action="store_true",
+        help="print the run (settings, versions, rows) as JSON instead of the table")
 
 
 def _settings(args: argparse.Namespace) -> tuple[Settings, list[str]]:
@@ -603,6 +634,17 @@ def _world_size(args: argparse.Namespace) -> int | None:
     if args.fabric == "mpi" or (args.fabric == "auto" and aaccl.mpi_launched()):
         return None
     return 4
+
+
+def _versions(fabric: str | None) -> dict[str, str]:
+    """aaccl's, Python's, numpy's and, over MPI, mpi4py's and the MPI library's."""
+    found = {"aaccl": aaccl.__version__, "python": platform.python_version(),
+             "numpy": np.__version__}
+    mpi = sys.modules.get("mpi4py.MPI")
+    if fabric == "mpi" and mpi is not None:
+        found["mpi4py"] = sys.modules["mpi4py"].__version__
+        found["mpi"] = mpi.Get_library_version().strip().splitlines()[0].strip()
+    return found
 
 
 def _first_error(error: BaseException) -> BaseException:
@@ -660,12 +702,14 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     failed = any(row.wrong for row in rows)
     if 0 not in {info.rank for info in local}:
         return 1 if failed else 0  # an MPI rank other than 0: rank 0 prints
+    one_per_process = len(local) == 1 and nranks > 1
+    fabric = None if args.device != "soft" else "mpi" if one_per_process else "inprocess"
+    ranks = [r[0] for r in results]
     if args.json:
-        print(json.dumps([asdict(row) for row in rows], indent=1))
+        run = describe(args, settings, nranks, fabric, ranks, notes, _versions(fabric))
+        print(json.dumps({**run, "rows": [asdict(row) for row in rows]}, indent=1))
     else:
-        one_per_process = len(local) == 1 and nranks > 1
-        fabric = ("-" if args.device != "soft" else "mpi" if one_per_process else "inprocess")
-        lines = format_header(args, nranks, fabric, [r[0] for r in results], notes)
+        lines = format_header(args, nranks, fabric or "-", ranks, notes)
         print("\n".join(lines + format_table(rows)), flush=True)
     return 1 if failed else 0
 
