@@ -1,0 +1,128 @@
+"""`_bridge.wait`: waking a task from any thread, and polling a device before parking.
+
+A `Poller` stands in for the MPI fabric: its `poll` delivers the answer on the
+loop's own thread after some polls, or never (then the task parks, says so through
+`park`, and the answer comes from another thread). Both event-loop backends.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import anyio
+import pytest
+
+from aaccl.api import _bridge
+
+pytestmark = pytest.mark.anyio
+
+
+class Event:
+    """Something that happens once: `register(wake)` as a Call offers it."""
+
+    def __init__(self) -> None:
+        self.happened = False
+        self.wakers: list[Callable[[], None]] = []
+
+    def register(self, wake: Callable[[], None]) -> bool:
+        if self.happened:
+            return False
+        self.wakers.append(wake)
+        return True
+
+    def fire(self) -> None:
+        self.happened = True
+        for wake in self.wakers:
+            wake()
+
+
+class Poller:
+    """Fires `event` at its `answer_at`-th poll (never, if None), on the polling thread."""
+
+    def __init__(self, event: Event, answer_at: int | None) -> None:
+        self.event, self.answer_at = event, answer_at
+        self.polls, self.parks = 0, 0
+        self.threads: set[int] = set()
+
+    def poll(self) -> bool:
+        self.polls += 1
+        self.threads.add(threading.get_ident())
+        if self.polls == self.answer_at:
+            self.event.fire()
+            return True
+        return False
+
+    def park(self) -> None:
+        self.parks += 1
+
+
+async def test_an_answer_found_by_polling_resumes_the_task_without_parking() -> None:
+    event = Event()
+    poller = Poller(event, answer_at=5)
+    await _bridge.wait(event.register, poller)
+    assert poller.polls == 5 and poller.parks == 0
+    assert poller.threads == {threading.get_ident()}  # polled on the loop's thread
+
+
+async def test_polling_yields_to_the_other_tasks() -> None:
+    event = Event()
+    poller = Poller(event, answer_at=None)
+    seen: list[int] = []
+
+    async def other() -> None:  # runs between polls, and answers
+        while poller.polls < 3:
+            await anyio.sleep(0)
+        seen.append(poller.polls)
+        event.fire()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other)
+        await _bridge.wait(event.register, poller)
+    assert seen and seen[0] >= 3 and poller.parks == 0
+
+
+async def test_a_task_that_polls_in_vain_parks_and_is_woken_from_another_thread() -> None:
+    event = Event()
+    poller = Poller(event, answer_at=None)
+    parked = threading.Event()
+    poller.park = parked.set  # type: ignore[method-assign]
+
+    def device_thread() -> None:  # the answer comes from the device's own thread
+        parked.wait(10)
+        event.fire()
+
+    thread = threading.Thread(target=device_thread)
+    thread.start()
+    with anyio.fail_after(10):
+        await _bridge.wait(event.register, poller)
+    thread.join()
+    assert parked.is_set() and poller.polls > 0
+
+
+async def test_an_event_that_happened_already_costs_no_poll() -> None:
+    event = Event()
+    event.fire()
+    poller = Poller(event, answer_at=None)
+    await _bridge.wait(event.register, poller)
+    assert poller.polls == 0 and poller.parks == 0
+
+
+@pytest.mark.parametrize("while_", ["polling", "parked"])
+async def test_cancelling_a_waiting_task_leaves_a_later_wake_harmless(while_: str) -> None:
+    event = Event()
+    poller = Poller(event, answer_at=None)
+    if while_ == "parked":
+        before = _bridge.POLL_FOR
+        _bridge.POLL_FOR = 0.0  # park at once
+    try:
+        with anyio.move_on_after(0.05 if while_ == "parked" else 0.001) as scope:
+            await _bridge.wait(event.register, poller)
+    finally:
+        if while_ == "parked":
+            _bridge.POLL_FOR = before
+    assert scope.cancelled_caught
+    event.fire()  # nobody waits any more: no error, no resumed task
+    await anyio.sleep(0)
+    later = Event()  # the task waits again, as usual
+    await _bridge.wait(later.register, Poller(later, answer_at=2))
