@@ -191,15 +191,15 @@ async def check_usable(accls: list[aaccl.ACCL]) -> None:
 
 
 @pytest.mark.anyio
-async def test_stream_flags_fail_on_soft_cclo() -> None:
+async def test_reading_an_empty_kernel_stream_fails_on_soft_cclo() -> None:
     async with aaccl.open_world(2, timeout=TIMEOUT) as accls:
         a, b = accls
         src, dst = a.allocate(4), a.allocate(4)
         src[:] = [1, 2, 3, 4]
         error = await expect_cclo_error(a.copy(src, dst, 4, stream_flags=StreamFlags.OP0_STREAM),
-                                        ErrorCode.COLLECTIVE_NOT_IMPLEMENTED)
-        assert "COLLECTIVE_NOT_IMPLEMENTED" in str(error)
-        assert "copy" in str(error)
+                                        ErrorCode.KRNL_TIMEOUT_STS_ERROR)
+        assert "KRNL_TIMEOUT_STS_ERROR" in str(error)
+        assert "copy" in str(error) and "kernel stream" in str(error)
         np.testing.assert_array_equal(dst, 0)
         await a.copy(src, dst, 4)
         np.testing.assert_array_equal(dst, [1, 2, 3, 4])
@@ -214,10 +214,12 @@ async def test_failed_send_and_recv_leave_no_trace() -> None:
         a, b = accls
         src, dst = a.allocate(4), b.allocate(4)
         src[:] = 5
+        # a send whose data never comes from the (empty) kernel stream, and a receive
+        # with nothing to take: each times out
         await expect_cclo_error(a.send(src, 4, 1, stream_flags=StreamFlags.OP0_STREAM),
-                                ErrorCode.COLLECTIVE_NOT_IMPLEMENTED)
+                                ErrorCode.KRNL_TIMEOUT_STS_ERROR)
         await expect_cclo_error(b.recv(dst, 4, 0, stream_flags=StreamFlags.RES_STREAM),
-                                ErrorCode.COLLECTIVE_NOT_IMPLEMENTED)
+                                ErrorCode.RECEIVE_TIMEOUT_ERROR)
         await a.send(src, 4, 1)
         await b.recv(dst, 4, 0)
         np.testing.assert_array_equal(dst, 5)
@@ -310,10 +312,10 @@ async def test_dependency_error_chain() -> None:
         a, b = accls
         src, mid, dst = a.allocate(4), a.allocate(4), a.allocate(4)
         src[:] = 3
-        failing = a.copy(src, mid, 4, stream_flags=StreamFlags.OP0_STREAM)
+        failing = a.copy(src, mid, 4, stream_flags=StreamFlags.OP0_STREAM)  # nothing to read
         second = a.copy(mid, dst, 4, from_fpga=True, waitfor=[failing])
         third = a.nop(waitfor=[second])
-        await expect_cclo_error(failing, ErrorCode.COLLECTIVE_NOT_IMPLEMENTED)
+        await expect_cclo_error(failing, ErrorCode.KRNL_TIMEOUT_STS_ERROR)
         for dependent in (second, third):
             with pytest.raises(DependencyError) as info:
                 await dependent

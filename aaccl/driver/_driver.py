@@ -216,6 +216,10 @@ class Driver:
             return Aborted(f"{operation} was aborted: {call.error}")
         if call.error is not None:  # a fresh exception of the device's kind, per call
             kind = type(call.error) if isinstance(call.error, ACCLError) else ACCLError
+            if isinstance(call.error, KernelError):  # a soft CCLO's stream kernel raised
+                error = kind(f"{operation} failed: {call.error}")
+                error.__cause__ = call.error.__cause__
+                return error
             return kind(f"{operation} could not run: {call.error}")
         if call.aborted:
             return DependencyError(f"{operation} did not run: a call it waits for failed")

@@ -27,10 +27,11 @@ import numpy as np
 
 from .. import _exchmem as xm
 from .._constants import TAG_ANY, ErrorCode, Scenario
-from .._errors import Aborted
+from .._errors import Aborted, ACCLError
 from ..devices import CallArgs, DeviceCall
 from ._datapath import OPERAND_FLAGS, Datapath
 from ._engine import Timer, Wait
+from ._streams import StreamRead, segments, stream_roles
 from .algorithms import SMALL_ALLREDUCE_COUNT, Copy, Incoming, Local, Send, Step, schedule
 from .fabric import Fingerprint, Key, Message, PostedRecv
 from .fabric._inbox import mismatch
@@ -63,12 +64,15 @@ INBOUND_SEQ, OUTBOUND_SEQ = 2, 3
 
 
 class CallFailed(Exception):
-    """A call fails with ACCL's retcode `code`; `detail` says why, in words."""
+    """A call fails with ACCL's retcode `code`; `detail` says why, in words. With
+    `error`, the call ends with that exception instead (a stream kernel's)."""
 
-    def __init__(self, code: ErrorCode | int, detail: str | None = None) -> None:
+    def __init__(self, code: ErrorCode | int, detail: str | None = None,
+                 error: ACCLError | None = None) -> None:
         super().__init__(code)
         self.code = int(code)
         self.detail = detail
+        self.error = error
 
 
 def _describe(args: CallArgs, dtype: np.dtype | None = None) -> str:
@@ -116,7 +120,8 @@ class SoftCall:
     """One call on one soft CCLO. Subclasses say how it is admitted and what it runs."""
 
     __slots__ = ("dev", "args", "handle", "state", "failure", "deps_left", "body", "waiting",
-                 "timer", "aborting", "failure_detail", "failure_error")
+                 "timer", "aborting", "failure_detail", "failure_error", "op0_stream",
+                 "res_stream")
 
     def __init__(self, dev: SoftDevice, args: CallArgs, handle: DeviceCall) -> None:
         self.dev, self.args, self.handle = dev, args, handle
@@ -128,7 +133,8 @@ class SoftCall:
         self.body: Body | None = None
         self.waiting: Wait | None = None
         self.timer: Timer | None = None
-        self.aborting: Aborted | None = None  # set by `abort_now`: how the call ends
+        self.aborting: ACCLError | None = None  # set by `abort_now`: how the call ends
+        self.op0_stream = self.res_stream = False  # operand 0 / result on a kernel stream
 
     # -- submitted ------------------------------------------------------------------
 
@@ -138,6 +144,10 @@ class SoftCall:
             self.prepare()
         except CallFailed as failed:
             self.failure, self.failure_detail = failed.code, failed.detail
+        if self.op0_stream or self.res_stream:
+            turn = self.dev.streams.turn(self.handle)
+            if turn is not None:
+                waitfor = (*waitfor, turn)
         if not waitfor:
             self.dev.ready(self)
             return
@@ -155,6 +165,23 @@ class SoftCall:
 
     def prepare(self) -> None:
         """Take the call's place in the message order (at submission)."""
+
+    def use_streams(self, size: int, is_root: bool) -> None:
+        """Which of the call's operands are on the kernel streams (at submission)."""
+        roles = stream_roles(self.args.scenario, self.args.stream_flags, size, is_root)
+        if roles is None:
+            raise CallFailed(ErrorCode.COLLECTIVE_NOT_IMPLEMENTED,
+                             f"ACCL's firmware runs no {Scenario(self.args.scenario).name.lower()}"
+                             " on kernel streams")
+        self.op0_stream, self.res_stream = roles
+
+    def read_stream(self, moves: list[int]) -> Generator[Wait, Any, np.ndarray]:
+        """The bytes of `moves` (one per move of the firmware) from the input stream."""
+        wait = self.dev.streams.read(moves)
+        value = wait.value if wait.done else (yield wait)
+        if isinstance(value, ACCLError):  # the stream kernel failed
+            raise CallFailed(ErrorCode.KRNL_TIMEOUT_STS_ERROR, str(value), error=value)
+        return value
 
     def dependency_done(self, dep: DeviceCall) -> None:
         if self.state is not State.SUBMITTED or self.deps_left <= 0:
@@ -259,6 +286,8 @@ class SoftCall:
                 self.finish(0)
                 return
             except CallFailed as failed:
+                if failed.error is not None and self.aborting is None:
+                    self.aborting = failed.error
                 self.finish(failed.code, failed.detail)
                 return
             except Exception:  # a bug in the model fails this call, and nothing else
@@ -300,6 +329,8 @@ class SoftCall:
         # else: a peer is reading our data right now; it finishes without a deadline
 
     def _timeout_detail(self, wait: Wait) -> str:
+        if isinstance(wait, StreamRead):
+            return f"waited {self.dev.timeout:g} s for {wait.describe()}"
         detail = f"waited {self.dev.timeout:g} s for {self.waiting_for(wait)}"
         activity = getattr(self.dev.port, "activity", None)
         peers = self.peers_waited(wait)
@@ -338,27 +369,50 @@ class SendCall(SoftCall):
         args, dev = self.args, self.dev
         self.sent = False
         self.comm = comm = dev.comm(args.comm)
-        self.seq = dev.next_send_seq(comm.key, comm.peer(args.root_src_dst))
-        dev.count_message(args, OUTBOUND_SEQ)
-        _check_streams_and_compression(args)
+        peer = comm.peer(args.root_src_dst)
+        self.use_streams(comm.size, False)
+        if not self.res_stream:  # a put into the peer's stream is outside the message order
+            self.seq = dev.next_send_seq(comm.key, peer)
+            dev.count_message(args, OUTBOUND_SEQ)
+        _check_compression(args)
 
     def run(self) -> Body:
         args, dev = self.args, self.dev
         path = dev.datapath(args)
-        payload = path.to_wire(dev.array(args.addr_0, path.dtype, args.count))
-        msg = Message(dev.session, ("p2p", self.comm.key), self.seq, args.tag,
-                      payload.view(np.uint8), eager=payload.nbytes <= dev.max_eager_size)
-        msg.fp = (args.count, path.wire.str, path.dtype.str)
+        segment = dev.segment_elements(path.dtype)
+        if self.op0_stream:  # the firmware reads the stream one segment at a time
+            try:
+                raw = yield from self.read_stream(segments(args.count * path.dtype.itemsize,
+                                                           segment * path.dtype.itemsize))
+            except CallFailed:
+                self.abandon()
+                raise
+            data = raw.view(path.dtype)
+        else:
+            data = dev.array(args.addr_0, path.dtype, args.count)
+        payload = path.to_wire(data)
+        eager = payload.nbytes <= dev.max_eager_size
+        if self.res_stream:  # one-sided: into the peer's kernel stream, no receive
+            msg = Message(dev.session, ("stream",), 0, args.tag, payload.view(np.uint8), eager)
+            msg.fp = (path.wire.str, segment)
+        else:
+            msg = Message(dev.session, ("p2p", self.comm.key), self.seq, args.tag,
+                          payload.view(np.uint8), eager=eager)
+            msg.fp = (args.count, path.wire.str, path.dtype.str)
         self.sent = True
         handover = dev.port.post(self.comm.sessions[args.root_src_dst], msg, DEQUEUE_TIMEOUT)
         if handover is not None:
             yield handover
 
     def peers_waited(self, wait: Wait) -> list[int]:
+        if isinstance(wait, StreamRead):
+            return []
         return [self.comm.sessions[self.args.root_src_dst]]
 
 
     def waiting_for(self, wait: Wait) -> str:
+        if self.res_stream:
+            return f"rank {self.peers_waited(wait)[0]} to take its data into its kernel stream"
         return (f"rank {self.peers_waited(wait)[0]} to receive its message (no matching "
                 f"recv(src={self.comm.rank}, tag={self.args.tag}) ran there)")
 
@@ -377,14 +431,15 @@ class RecvCall(SoftCall):
         args, dev = self.args, self.dev
         comm = dev.comm(args.comm)
         self.src, self.key = comm.peer(args.root_src_dst), ("p2p", comm.key)
-        _check_streams_and_compression(args)
+        self.use_streams(comm.size, False)
+        _check_compression(args)
         self.posted: PostedRecv | None = dev.inbox.post(self.key, self.src, args.tag)
 
     def run(self) -> Body:
         dev, args, posted = self.dev, self.args, self.posted
         assert posted is not None
         path = dev.datapath(args)
-        dst = dev.array(args.addr_2, path.dtype, args.count)
+        dst = None if self.res_stream else dev.array(args.addr_2, path.dtype, args.count)
         try:
             if not posted.done:
                 yield posted
@@ -405,7 +460,13 @@ class RecvCall(SoftCall):
             data = dev.inbox.data(msg)
             if data.nbytes != args.count * path.wire.itemsize:
                 raise CallFailed(ErrorCode.DMA_SIZE_ERROR)
-            np.copyto(dst, data.view(path.wire), casting="unsafe")
+            if dst is not None:
+                np.copyto(dst, data.view(path.wire), casting="unsafe")
+            else:  # into the kernel stream, one packet per segment, as the firmware moves it
+                values = data.view(path.wire).astype(path.dtype, copy=False)
+                step = dev.segment_elements(path.dtype)
+                for start in range(0, args.count, step):
+                    dev.streams.emit(values[start:start + step], args.tag)
         finally:
             dev.inbox.release(msg)
 
@@ -423,9 +484,7 @@ class RecvCall(SoftCall):
             self.posted = None
 
 
-def _check_streams_and_compression(args: CallArgs) -> None:
-    if args.stream_flags:
-        raise CallFailed(ErrorCode.COLLECTIVE_NOT_IMPLEMENTED)  # no kernel streams here
+def _check_compression(args: CallArgs) -> None:
     if args.compression_flags & OPERAND_FLAGS \
             and args.scenario not in (Scenario.COPY, Scenario.COMBINE):
         # compressed buffers (mixed precision) are modelled for copy and combine only
@@ -490,7 +549,10 @@ class ScheduleCall(SoftCall):
             if args.scenario in ROOTED and args.root_src_dst >= comm.size:
                 raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
             self._join(comm)
-        _check_streams_and_compression(args)
+        if args.stream_flags:
+            rank, size = (0, 1) if self.comm is None else (self.comm.rank, self.comm.size)
+            self.use_streams(size, args.root_src_dst == rank or args.scenario not in ROOTED)
+        _check_compression(args)
 
     def describe(self) -> str:
         fp = getattr(self, "fp", None)
@@ -637,10 +699,21 @@ class ScheduleCall(SoftCall):
         self.sending: list[_Sending] = []
         self.taken: dict[Incoming, Message] = {}
         self.saved: dict[tuple[Local, int], np.ndarray] = {}
-        self.views = [dev.array(address, dtype, n) if n else None
-                      for address, dtype, n in zip(self.addrs, path.slots, plan.reach)]
-        self._save_overwritten_inputs(plan.steps, plan.reach)
+        on_stream = (self.op0_stream, False, self.res_stream)
+        self.views = [dev.array(address, dtype, n) if n and not streamed else None
+                      for address, dtype, n, streamed
+                      in zip(self.addrs, path.slots, plan.reach, on_stream)]
+        if self.op0_stream or self.res_stream:
+            # a slot on a stream is memory of its own: an address range no buffer has
+            self.addrs = tuple(-(1 + slot) << 56 if streamed else address for slot,
+                               (address, streamed) in enumerate(zip(self.addrs, on_stream)))
+        if self.res_stream:
+            self.views[2] = np.empty(plan.reach[2], path.slots[2])
         try:
+            if self.op0_stream:  # one move reads the whole operand
+                raw = yield from self.read_stream([plan.reach[0] * path.itemsizes[0]])
+                self.views[0] = raw.view(path.slots[0])
+            self._save_overwritten_inputs(plan.steps, plan.reach)
             for step in plan.steps:
                 if isinstance(step, Send):
                     self._send(step)
@@ -652,6 +725,8 @@ class ScheduleCall(SoftCall):
             for sending in self.sending:
                 if not sending.handover.done:
                     yield sending.handover
+            if self.res_stream:  # the result goes out as one packet, tag 0
+                dev.streams.emit(self.views[2], 0)
         except BaseException:
             self._release()
             for sending in self.sending:  # withdraw what no peer has started on

@@ -21,6 +21,7 @@ from ..devices._jobs import HostJobs, Job
 from ._calls import CallFailed, Comm, SoftCall, make_call
 from ._datapath import Datapath, UnsupportedConfig
 from ._memory import DeviceMemory
+from ._streams import StreamKernel, StreamPorts
 from .fabric import Message, Port, RxPool
 
 HWID = 0x0000_00F8  # reduction, compression and stream bits as ACCL's driver reads them
@@ -52,11 +53,13 @@ class SoftDevice:
         self._running = False
         self._calls: dict[SoftCall, None] = {}  # admitted, not finished (in order)
         self._jobs = HostJobs(f"soft-cclo-{session}")
+        self.streams = StreamPorts(self._jobs.run, self.engine.post)
         self.closed = False
         self.last: SoftCall | None = None  # the last call admitted (for `activity`)
         self.gone: dict[int, str] = {}  # peers (sessions) that left the world, and why
         self.silent = False  # aborted whole: failing calls send no notices
         self.inbox.on_leave = self._peer_left
+        self.inbox.on_stream = self._put_arrived
         register = getattr(port, "register", None)
         if register is not None:
             register(self.activity)
@@ -140,6 +143,11 @@ class SoftDevice:
             except UnsupportedConfig as unsupported:
                 raise CallFailed(unsupported.code) from None
         return path
+
+    def segment_elements(self, dtype: np.dtype) -> int:
+        """Elements per segment of a message, as the firmware moves it: an rx buffer's
+        worth (at least one)."""
+        return max(1, self.mmio_read(xm.RX_BUF_SIZE) // dtype.itemsize)
 
     def next_send_seq(self, comm_key: Hashable, dst: int) -> int:
         seq = self._send_seq.get((comm_key, dst), 0)
@@ -311,6 +319,21 @@ class SoftDevice:
         for call in list(self._calls):
             call.abort_now(error)
 
+    # -- kernel streams -------------------------------------------------------------------
+
+    def attach_stream(self, kernel: StreamKernel | None, name: str) -> None:
+        """Route what the CCLO writes to its stream output through `kernel` from now
+        on (None: back to the loopback); any thread."""
+        self.engine.post(self.streams.attach, kernel, name)
+
+    def _put_arrived(self, msg: Message) -> None:
+        """A peer's send into our kernel stream (RES_STREAM): one packet per segment."""
+        assert msg.fp is not None and msg.payload is not None
+        wire, segment = msg.fp
+        values = msg.payload.view(np.dtype(wire))
+        for start in range(0, values.size, segment):
+            self.streams.emit(values[start:start + segment], msg.tag)
+
     def run(self, job: Job, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
         """Host work (kernels modelled in Python, transfers) on the CCLO's own workers."""
         return self._jobs.run(job, waitfor)
@@ -325,6 +348,7 @@ class SoftDevice:
     def _close(self) -> None:
         self._abort(Aborted("its soft CCLO was closed"))
         self._queue.clear()
+        self.streams.close()
         self._jobs.close()
         self.port.close()
         self.engine.detach()

@@ -114,6 +114,7 @@ class Inbox:
         self._seen: dict[Key, tuple[int, Fingerprint]] = {}  # before we joined
         self._failed: dict[Key, Failure] = {}  # notices for collectives we have not joined
         self.on_leave: Callable[[int, str], None] | None = None  # a peer left its world
+        self.on_stream: Callable[[Message], None] | None = None  # a put into our kernel stream
         self._orders = itertools.count()
         self.rx: RxPool | None = None
 
@@ -134,6 +135,14 @@ class Inbox:
         if kind == "leave":
             if self.on_leave is not None and msg.notice is not None:
                 self.on_leave(msg.src, msg.notice[1])
+            return True
+        if kind == "stream":  # one-sided: no rx buffer, no receive; the data is taken now
+            if self.on_stream is not None:
+                self.on_stream(msg)
+            msg.state = MessageState.DONE
+            for acknowledge in (msg.on_taken, msg.on_done):
+                if acknowledge is not None:
+                    acknowledge()
             return True
         if kind == "coll":
             self._check(msg)

@@ -16,8 +16,9 @@ if TYPE_CHECKING:
 
 Key = tuple[Any, ...]
 """A message's matching key: ("p2p", comm), ("coll", comm, seq, scenario, tag),
-("abort", comm, seq) for a notice that collective `seq` failed on the sender, or
-("leave",) for a notice that the sender left its world."""
+("abort", comm, seq) for a notice that collective `seq` failed on the sender,
+("leave",) for a notice that the sender left its world, or ("stream",) for data put
+into the receiver's kernel stream (a send with RES_STREAM)."""
 
 Fingerprint = tuple[Any, ...]
 """What must agree between the ranks of one collective: (scenario, count or None,
