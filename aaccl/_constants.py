@@ -70,6 +70,11 @@ class StreamFlags(enum.IntFlag):
     RES_STREAM = 2
 
 
+MAX_STREAM_ID = 246
+"""The largest tag of a send into a peer's kernel stream (RES_STREAM): ACCL routes it
+as tag + 9 through an 8-bit TDEST, and its driver rejects larger ones."""
+
+
 class ErrorCode(enum.IntFlag):
     """The bits of the CCLO's return code (ACCL's `errorCode`)."""
 

@@ -6,8 +6,9 @@ and `hostmem`) does: JSON requests by "type", replies {"status", ["rdata"]} as
 jsoncpp writes them; memory reads come back as the server's `vector<char>`, i.e.
 signed chars. Behind it sits a tiny firmware: one command stream (NUM_CTRL_STREAMS
 is 1 in zmq_server.h), calls that report "running" for a few polls, a return code
-written to RETVAL_OFFSET (0x1FFC) on completion, COPY and NOP implemented, config
-calls complete at once. Tests choose return codes, hold calls (a call that never
+written to RETVAL_OFFSET (0x1FFC) on completion, COPY and NOP implemented (COPY with
+its stream flags, over the kernel loopback `cclo_emu -b` makes), config calls
+complete at once. Tests choose return codes, hold calls (a call that never
 completes), and can make the server stop answering.
 
 The fake also checks the client: every field it sends must survive jsoncpp's
@@ -83,6 +84,7 @@ class FakeEmulator:
         self.cfgmem[xm.HWID // 4] = HWID
         self.devicemem = bytearray()
         self.hostmem = bytearray()
+        self.loopback = bytearray()  # the kernel streams, looped back: whole 64-byte words
         self.busy_polls = busy_polls
         self.retcode_for: dict[int, int] = {}  # tag -> return code the firmware reports
         self.held: set[int] = set()  # tags of calls that do not complete until released
@@ -302,11 +304,20 @@ class FakeEmulator:
         retcode = 0
         if call.scenario == Scenario.COPY:
             nbytes, src, dst = 4 * w[1], w[9] | (w[10] << 32), w[13] | (w[14] << 32)
+            words = -(-nbytes // 64) * 64
             if max(src, dst) + nbytes > len(self.devicemem):
                 self.violations.append(f"copy outside device memory: {src:#x} -> {dst:#x}")
                 retcode = ErrorCode.DMA_DECODE_ERROR
+            elif w[8] & 1 and len(self.loopback) < words:
+                self.violations.append("a copy reads more than the kernel stream holds")
             else:
-                self.devicemem[dst:dst + nbytes] = self.devicemem[src:src + nbytes]
+                data = self.loopback[:nbytes] if w[8] & 1 else self.devicemem[src:src + nbytes]
+                if w[8] & 1:
+                    del self.loopback[:words]
+                if w[8] & 2:
+                    self.loopback += data + bytes(words - nbytes)
+                else:
+                    self.devicemem[dst:dst + nbytes] = data
         elif call.scenario == Scenario.CONFIG:
             if w[4] == ConfigFunction.RESET_PERIPH:
                 self.cfgmem[xm.CFGRDY // 4] = 0  # the firmware's init waits for the host again
@@ -753,6 +764,34 @@ def test_copy_end_to_end(fake: FakeEmulator, backend: str) -> None:
     copies = [c for c in fake.started() if c.scenario == Scenario.COPY]
     assert len(copies) == 3 and all(c.request["count"] == n for c in copies)
     assert copies[1].request["addr_2"] == copies[2].request["addr_0"]  # the chain's middle
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_stream_flags_reach_the_firmware_and_the_loopback_returns_the_data(
+        fake: FakeEmulator, backend: str) -> None:
+    """Stream flags pass through as they are; with the emulator's kernel loopback
+    (`cclo_emu -b`), what a copy writes to the stream the next copy reads back, as on
+    the soft CCLO. Streamed buffers are synced neither in nor out; kernels cannot be
+    attached to the streams here."""
+    n = 40
+
+    async def main(accl: aaccl.ACCL) -> tuple[np.ndarray, int]:
+        src, dst, dtype_of = (accl.allocate(n, np.float32) for _ in range(3))
+        src[:], dst[:], dtype_of[:] = np.arange(n), -1, 7
+        await accl.copy(src, dtype_of, n, stream_flags=aaccl.StreamFlags.RES_STREAM)
+        np.testing.assert_array_equal(dtype_of, 7)  # nothing synced out
+        await accl.copy(dtype_of, dst, n, stream_flags=aaccl.StreamFlags.OP0_STREAM)
+        with pytest.raises(TypeError, match="attach_stream needs the soft CCLO"):
+            accl.attach_stream(lambda chunk, tag: chunk)
+        return np.array(dst), dtype_of.device_address
+
+    [(result, unsynced)] = aaccl.run(main, 1, device="emulator", emulator_port=fake.port,
+                                     nbufs=4, timeout=5, backend=backend)
+    np.testing.assert_array_equal(result, np.arange(n))
+    copies = [c.request for c in fake.started() if c.scenario == Scenario.COPY]
+    assert [c["stream_flags"] for c in copies] == [2, 1]
+    assert all(adr != unsynced for adr, _ in fake.of_kind("mem_write"))
+    assert fake.loopback == bytearray()
 
 
 def test_a_python_kernel_between_firmware_calls_works_on_staged_device_memory(

@@ -13,7 +13,7 @@ import anyio
 import numpy as np
 
 from .. import _trace
-from .._constants import GLOBAL_COMM, TAG_ANY, ReduceFunction, Scenario
+from .._constants import GLOBAL_COMM, TAG_ANY, ReduceFunction, Scenario, StreamFlags
 from .._errors import DependencyError
 from ..devices import Device, DeviceCall
 from ..driver import Driver
@@ -22,9 +22,11 @@ from . import _checks as check
 from ._buffer import Buffer, allocate
 from ._call import Call
 from ._hazards import Hazards, Span
-from ._kernel import Kernel, on_card
+from ._kernel import Kernel, attach_stream, on_card
 
 Calls = Iterable[Call]
+OP0_STREAM, RES_STREAM = int(StreamFlags.OP0_STREAM), int(StreamFlags.RES_STREAM)
+BOTH_STREAMS = OP0_STREAM | RES_STREAM
 
 
 def _head(buf: Buffer, elements: int) -> Buffer:
@@ -43,6 +45,18 @@ def _spans(*accesses: tuple[Buffer | None, int]) -> tuple[Span, ...]:
             start = buf.device_address
             spans.append((alloc.address, start, start + elements * buf.itemsize))
     return tuple(spans)
+
+
+def _in_memory(flags: int, src: tuple[Buffer, int] | None, dst: tuple[Buffer, int] | None,
+               from_fpga: bool, to_fpga: bool) -> dict[str, Any]:
+    """What a call reads and writes in memory, and syncs: operand 0 (`src`) unless it
+    comes from the kernel stream (OP0_STREAM), the result (`dst`) unless it goes to it
+    (RES_STREAM)."""
+    src = None if flags & OP0_STREAM else src
+    dst = None if flags & RES_STREAM else dst
+    return {"reads": _spans(src) if src else (), "writes": _spans(dst) if dst else (),
+            "sync_in": (_head(*src),) if src and not from_fpga else (),
+            "sync_out": _head(*dst) if dst and not to_fpga else None}
 
 
 def _overlap(span: Span, spans: Sequence[Span]) -> bool:
@@ -439,6 +453,14 @@ class ACCL:
         label = name or str(getattr(target, "__name__", type(target).__name__))
         return Kernel(self, target, label, hardware)
 
+    def attach_stream(self, kernel: Any) -> None:
+        """Put `kernel` between the CCLO's kernel streams (soft CCLO): each packet a
+        call writes to the stream (RES_STREAM) goes to `kernel(chunk, tag)`, and the
+        array it returns comes back in, where calls with OP0_STREAM read. A Python
+        callable or a `Kernel` of this rank; None restores the loopback."""
+        self._check_open()
+        attach_stream(self._driver.device, kernel, self)
+
     def _run_kernel(self, kernel: Kernel, args: tuple[Any, ...], kwargs: dict[str, Any],
                     waitfor: Calls) -> Call:
         self._check_open()
@@ -488,69 +510,76 @@ class ACCL:
     def copy(self, srcbuf: Buffer, dstbuf: Buffer, count: int, from_fpga: bool = False,
              to_fpga: bool = False, *, stream_flags: int = 0, waitfor: Calls = ()) -> Call:
         """dstbuf[:count] = srcbuf[:count], on the device. float32 and float16 buffers
-        mix: the CCLO converts between them."""
+        mix: the CCLO converts between them. With OP0_STREAM the elements come from the
+        kernel stream, with RES_STREAM they go to it (that buffer only gives the dtype)."""
         check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
         n = check.count(count)
-        src = check.buffer(srcbuf, "srcbuf", self, n)
-        dst = check.buffer(dstbuf, "dstbuf", self, n)
+        flags = check.stream_flags(stream_flags, "copy", BOTH_STREAMS)
+        src = check.buffer(srcbuf, "srcbuf", self, 0 if flags & OP0_STREAM else n)
+        dst = check.buffer(dstbuf, "dstbuf", self, 0 if flags & RES_STREAM else n)
         src_dtype, dst_dtype = check.mixed_dtypes(srcbuf=src, dstbuf=dst)
         return self._submit("copy", Scenario.COPY, waitfor, count=n,
                             operand_dtypes=(src_dtype, None, dst_dtype),
-                            stream_flags=stream_flags, buffers=(src, None, dst),
-                            reads=_spans((src, n)), writes=_spans((dst, n)),
-                            sync_in=() if from_fpga else (_head(src, n),),
-                            sync_out=None if to_fpga else _head(dst, n))
+                            stream_flags=flags, buffers=(src, None, dst),
+                            **_in_memory(flags, (src, n), (dst, n), from_fpga, to_fpga))
 
     def combine(self, count: int, func: ReduceFunction, val1: Buffer, val2: Buffer,
                 result: Buffer, val1_from_fpga: bool = False, val2_from_fpga: bool = False,
-                to_fpga: bool = False, *, waitfor: Calls = ()) -> Call:
+                to_fpga: bool = False, *, stream_flags: int = 0, waitfor: Calls = ()) -> Call:
         """result[:count] = func(val1, val2), elementwise on the device. float32 and
         float16 buffers mix: then the CCLO computes in float16, converting float32
-        inputs to float16 first."""
+        inputs to float16 first. With OP0_STREAM val1 comes from the kernel stream,
+        with RES_STREAM the result goes to it (that buffer only gives the dtype)."""
         check.flags(val1_from_fpga=val1_from_fpga, val2_from_fpga=val2_from_fpga, to_fpga=to_fpga)
         n, fn = check.count(count), check.function(func)
-        a = check.buffer(val1, "val1", self, n)
+        flags = check.stream_flags(stream_flags, "combine", BOTH_STREAMS)
+        a = check.buffer(val1, "val1", self, 0 if flags & OP0_STREAM else n)
         b = check.buffer(val2, "val2", self, n)
-        out = check.buffer(result, "result", self, n)
+        out = check.buffer(result, "result", self, 0 if flags & RES_STREAM else n)
         dtypes = check.mixed_dtypes(val1=a, val2=b, result=out)
-        sync_in = [_head(buf, n) for buf, on_device in ((a, val1_from_fpga), (b, val2_from_fpga))
-                   if not on_device]
+        memory = _in_memory(flags, (a, n), (out, n), val1_from_fpga, to_fpga)
+        memory["reads"] += _spans((b, n))
+        if not val2_from_fpga:
+            memory["sync_in"] += (_head(b, n),)
         return self._submit("combine", Scenario.COMBINE, waitfor, count=n, function=int(fn),
                             operand_dtypes=(dtypes[0], dtypes[1], dtypes[2]),
-                            buffers=(a, b, out), sync_in=sync_in,
-                            reads=_spans((a, n), (b, n)), writes=_spans((out, n)),
-                            sync_out=None if to_fpga else _head(out, n))
+                            stream_flags=flags, buffers=(a, b, out), **memory)
 
     def send(self, srcbuf: Buffer, count: int, dst: int, tag: int = TAG_ANY,
              comm_id: int = GLOBAL_COMM, from_fpga: bool = False, compress_dtype: Any = None,
              stream_flags: int = 0, *, waitfor: Calls = ()) -> Call:
         """Send srcbuf[:count] to rank `dst`; done once the data has left (eager) or the
-        receiver has it."""
+        receiver has it. With OP0_STREAM the data comes from the kernel stream (srcbuf
+        only gives the dtype); with RES_STREAM it goes into rank `dst`'s kernel stream,
+        under `tag` (0..246), and no recv takes it."""
         check.flags(from_fpga=from_fpga)
         size = self._comm_size(comm_id)
         n, peer, t = check.count(count), check.index(dst, "dst", size), check.tag(tag)
-        src = check.buffer(srcbuf, "srcbuf", self, n)
+        flags = check.stream_flags(stream_flags, "send", BOTH_STREAMS)
+        if flags & RES_STREAM:
+            check.stream_id(t)
+        src = check.buffer(srcbuf, "srcbuf", self, 0 if flags & OP0_STREAM else n)
         wire = check.compression(src.dtype, compress_dtype)
         return self._submit("send", Scenario.SEND, waitfor, count=n, comm_id=comm_id,
                             root_src_dst=peer, tag=t, dtype=src.dtype, compress_dtype=wire,
-                            stream_flags=stream_flags, buffers=(src, None, None),
-                            reads=_spans((src, n)),
-                            sync_in=() if from_fpga else (_head(src, n),))
+                            stream_flags=flags, buffers=(src, None, None),
+                            **_in_memory(flags, (src, n), None, from_fpga, True))
 
     def recv(self, dstbuf: Buffer, count: int, src: int, tag: int = TAG_ANY,
              comm_id: int = GLOBAL_COMM, to_fpga: bool = False, compress_dtype: Any = None,
              *, stream_flags: int = 0, waitfor: Calls = ()) -> Call:
-        """Receive `count` elements from rank `src` into dstbuf."""
+        """Receive `count` elements from rank `src` into dstbuf. With RES_STREAM they go
+        to the kernel stream instead (dstbuf only gives the dtype)."""
         check.flags(to_fpga=to_fpga)
         size = self._comm_size(comm_id)
         n, peer, t = check.count(count), check.index(src, "src", size), check.tag(tag)
-        dst = check.buffer(dstbuf, "dstbuf", self, n)
+        flags = check.stream_flags(stream_flags, "recv", RES_STREAM)
+        dst = check.buffer(dstbuf, "dstbuf", self, 0 if flags else n)
         wire = check.compression(dst.dtype, compress_dtype)
         return self._submit("recv", Scenario.RECV, waitfor, count=n, comm_id=comm_id,
                             root_src_dst=peer, tag=t, dtype=dst.dtype, compress_dtype=wire,
-                            stream_flags=stream_flags, buffers=(None, None, dst),
-                            writes=_spans((dst, n)),
-                            sync_out=None if to_fpga else _head(dst, n))
+                            stream_flags=flags, buffers=(None, None, dst),
+                            **_in_memory(flags, None, (dst, n), True, to_fpga))
 
     # -- collectives ------------------------------------------------------------------
 
@@ -622,23 +651,26 @@ class ACCL:
     @_collective
     def reduce(self, sbuf: Buffer, rbuf: Buffer | None, count: int, root: int,
                func: ReduceFunction, comm_id: int = GLOBAL_COMM, from_fpga: bool = False,
-               to_fpga: bool = False, compress_dtype: Any = None, *, waitfor: Calls = ()) -> Call:
-        """Root's rbuf receives func over every rank's sbuf[:count]."""
+               to_fpga: bool = False, compress_dtype: Any = None, *, stream_flags: int = 0,
+               waitfor: Calls = ()) -> Call:
+        """Root's rbuf receives func over every rank's sbuf[:count]. With OP0_STREAM
+        each rank's contribution comes from its kernel stream, with RES_STREAM the
+        root's result goes to its kernel stream (those buffers only give the dtype)."""
         check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
         size = self._comm_size(comm_id)
         n, r, fn = check.count(count), check.index(root, "root", size), check.function(func)
+        flags = check.stream_flags(stream_flags, "reduce", BOTH_STREAMS)
         is_root = r == self._comm_rank(comm_id)
-        s = check.buffer(sbuf, "sbuf", self, n)
-        d = check.buffer(rbuf, "rbuf", self, n) if is_root or rbuf is not None else None
+        s = check.buffer(sbuf, "sbuf", self, 0 if flags & OP0_STREAM else n)
+        d = check.buffer(rbuf, "rbuf", self, 0 if flags & RES_STREAM else n) \
+            if is_root or rbuf is not None else None
         dtype = check.same_dtype(sbuf=s, rbuf=d)
         wire = check.compression(dtype, compress_dtype)
         return self._submit("reduce", Scenario.REDUCE, waitfor, count=n, comm_id=comm_id,
                             root_src_dst=r, function=int(fn), dtype=dtype, compress_dtype=wire,
-                            buffers=(s, None, d),
-                            reads=_spans((s, n)), writes=_spans((d, n)) if is_root else (),
-                            sync_in=() if from_fpga else (_head(s, n),),
-                            sync_out=_head(d, n) if is_root and d is not None
-                            and not to_fpga else None)
+                            stream_flags=flags, buffers=(s, None, d),
+                            **_in_memory(flags, (s, n), (d, n) if is_root and d is not None
+                                         else None, from_fpga, to_fpga))
 
     def _all(self, op: str, scenario: Scenario, sbuf: Buffer, rbuf: Buffer, count: int,
              chunked_in: bool, chunked_out: bool, func: Any, comm_id: int, from_fpga: bool,

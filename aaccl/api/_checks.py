@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from .._constants import COMPRESSION_PAIRS, SUPPORTED_DTYPES, TAG_ANY, ReduceFunction
+from .._constants import (COMPRESSION_PAIRS, MAX_STREAM_ID, SUPPORTED_DTYPES, TAG_ANY,
+                          ReduceFunction, StreamFlags)
 from ._buffer import Buffer
 from ._call import Call
 
@@ -124,6 +125,29 @@ def compression(data: np.dtype, compress_dtype: Any) -> np.dtype | None:
         pairs = ", ".join(f"{a.name} -> {b.name}" for a, b in COMPRESSION_PAIRS)
         raise ValueError(f"the CCLO cannot compress {data.name} to {wire.name} (supported: {pairs})")
     return wire
+
+
+def stream_flags(value: Any, op: str, allowed: int) -> int:
+    """`stream_flags` for `op`, which takes the `allowed` ones: where ACCL's firmware
+    would ignore a flag (recv has no operand to read from a stream), it is more likely
+    a slip than a wish."""
+    bits = _integer(value, "stream_flags")
+    if bits & ~allowed or bits < 0:
+        if not 0 <= bits <= StreamFlags.OP0_STREAM | StreamFlags.RES_STREAM:
+            raise ValueError(f"stream_flags {value!r} is not a combination of StreamFlags "
+                             "OP0_STREAM (1) and RES_STREAM (2)")
+        takes = " or ".join(str(f.name) for f in StreamFlags if f & allowed)
+        raise ValueError(f"{op} takes stream_flags {takes}, not {StreamFlags(bits).name}: "
+                         "ACCL's firmware ignores the others")
+    return bits
+
+
+def stream_id(tag: int) -> int:
+    """The tag of a send into a peer's kernel stream (RES_STREAM), its stream id."""
+    if tag > MAX_STREAM_ID:
+        raise ValueError(f"a send with RES_STREAM puts the data into the peer's kernel stream "
+                         f"under its tag, which must be 0..{MAX_STREAM_ID}, not {tag}")
+    return tag
 
 
 def flags(**values: Any) -> None:

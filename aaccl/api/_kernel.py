@@ -69,6 +69,29 @@ def on_card(device: Device, target: Any) -> bool:
                     f"overlay (such as overlay.vadd_1), not {type(target).__name__}")
 
 
+def attach_stream(device: Device, target: Any, owner: object) -> None:
+    """Route the soft CCLO's stream output through `target` (see ACCL.attach_stream)."""
+    name = "loopback"
+    if isinstance(target, Kernel):
+        if target._accl is not owner:
+            raise ValueError(f"kernel {target.name} belongs to another rank")
+        name, target = target.name, (None if target._on_card else target._target)
+        if target is None:
+            raise TypeError(f"kernel {name} is the card's: on a card the CCLO's kernel "
+                            "streams are wired to kernels when the bitstream is linked")
+    elif target is not None:
+        if not callable(target) or on_card(device, target):
+            raise TypeError("a stream kernel is a Python callable, kernel(chunk, tag) -> "
+                            f"array or None, or a Kernel of this rank, not {type(target).__name__}")
+        name = str(getattr(target, "__name__", type(target).__name__))
+    attach = getattr(device, "attach_stream", None)
+    if attach is None:
+        raise TypeError("attach_stream needs the soft CCLO (device='soft'): on a card the "
+                        "CCLO's kernel streams are wired to kernels when the bitstream is "
+                        "linked, and ACCL's emulator loops them back (cclo_emu -b)")
+    attach(target, name)
+
+
 def python_job(device: Device, fn: Callable[..., Any], args: Sequence[Any],
                kwargs: dict[str, Any]) -> Callable[[], None]:
     """The job that runs `fn(*args, **kwargs)` with Buffers seen as device memory."""
