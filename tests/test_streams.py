@@ -23,6 +23,7 @@ from aaccl import CCLOError, ErrorCode, KernelError, ReduceFunction, StreamFlags
 from aaccl._constants import Scenario
 from aaccl.devices import DeviceCall
 from aaccl.soft._streams import WORD, StreamPorts, segments, stream_roles
+from aaccl.soft.fabric import Inbox, Message
 from conftest import run_ranks
 
 OP0, RES = StreamFlags.OP0_STREAM, StreamFlags.RES_STREAM
@@ -152,6 +153,22 @@ def test_a_kernel_sees_each_packet_with_its_tag_and_returns_the_next() -> None:
     assert [tag for _, tag in seen] == [5, 3]
     assert ports.held == WORD
     np.testing.assert_array_equal(ports.read([32]).value.view(np.float64), np.arange(4) * 3)
+
+
+def test_puts_that_come_before_the_cclo_are_kept_for_it() -> None:
+    """Over MPI a peer may start first: its put into our stream (a send with
+    RES_STREAM) waits in the inbox, acknowledged, until our CCLO takes its stream."""
+    payload = np.arange(4, dtype=np.float32)
+    msg = Message(1, ("stream",), 0, 9, payload.view(np.uint8), eager=True)
+    acknowledged: list[bool] = []
+    msg.on_done = lambda: acknowledged.append(True)
+    inbox = Inbox()
+    assert inbox.deliver(msg) and acknowledged == [True]
+    payload[:] = -1  # the sender's memory is its own again: the inbox kept a copy
+    taken: list[Message] = []
+    inbox.stream_to(taken.append)
+    assert taken == [msg] and msg.payload is not None
+    np.testing.assert_array_equal(msg.payload.view(np.float32), np.arange(4))
 
 
 # -- on the soft CCLO ----------------------------------------------------------------------

@@ -59,11 +59,11 @@ class SoftDevice:
         self.gone: dict[int, str] = {}  # peers (sessions) that left the world, and why
         self.silent = False  # aborted whole: failing calls send no notices
         self.inbox.on_leave = self._peer_left
-        self.inbox.on_stream = self._put_arrived
         register = getattr(port, "register", None)
         if register is not None:
             register(self.activity)
         self.engine.attach()
+        self.engine.post(self.inbox.stream_to, self._put_arrived)
 
     def activity(self) -> str:
         """What this CCLO is doing, for a peer's error message (engine context)."""

@@ -114,7 +114,8 @@ class Inbox:
         self._seen: dict[Key, tuple[int, Fingerprint]] = {}  # before we joined
         self._failed: dict[Key, Failure] = {}  # notices for collectives we have not joined
         self.on_leave: Callable[[int, str], None] | None = None  # a peer left its world
-        self.on_stream: Callable[[Message], None] | None = None  # a put into our kernel stream
+        self._on_stream: Callable[[Message], None] | None = None  # see `stream_to`
+        self._early_puts: list[Message] = []  # puts that came before the CCLO was there
         self._orders = itertools.count()
         self.rx: RxPool | None = None
 
@@ -137,8 +138,12 @@ class Inbox:
                 self.on_leave(msg.src, msg.notice[1])
             return True
         if kind == "stream":  # one-sided: no rx buffer, no receive; the data is taken now
-            if self.on_stream is not None:
-                self.on_stream(msg)
+            if self._on_stream is not None:
+                self._on_stream(msg)
+            else:  # a peer's CCLO started first (over MPI): keep it for ours
+                assert msg.payload is not None
+                msg.payload = msg.payload.copy()
+                self._early_puts.append(msg)
             msg.state = MessageState.DONE
             for acknowledge in (msg.on_taken, msg.on_done):
                 if acknowledge is not None:
@@ -186,6 +191,14 @@ class Inbox:
         else:
             stream.withdraw(msg)
         return True
+
+    def stream_to(self, sink: Callable[[Message], None]) -> None:
+        """Hand puts into our kernel stream (sends with RES_STREAM) to `sink`, those
+        that came already first."""
+        self._on_stream = sink
+        early, self._early_puts = self._early_puts, []
+        for msg in early:
+            sink(msg)
 
     @staticmethod
     def _match(recv: PostedRecv, msg: Message) -> None:
