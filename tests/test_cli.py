@@ -96,6 +96,11 @@ def test_job_status_prefers_the_ranks_own_statuses() -> None:
     assert job_status(0, [0, 0, 0], 3) == 0
     assert job_status(9, [1, 1], 3) == 9  # a rank died without a status: the launcher's
     assert job_status(0, [0], 2) == 1  # missing a status is never success
+    # with a hostfile, ranks on other machines cannot record theirs here
+    assert job_status(0, [], 2, other_machines=True) == 0
+    assert job_status(0, [0], 2, other_machines=True) == 0
+    assert job_status(1, [0], 2, other_machines=True) == 1
+    assert job_status(0, [137], 2, other_machines=True) == 137
 
 
 def test_bad_arguments_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> None:

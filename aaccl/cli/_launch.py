@@ -71,12 +71,16 @@ def command(mpiexec: str, nprocs: int, program: Sequence[str], hostfile: str | N
     return cmd + shim + list(program)
 
 
-def job_status(launcher: int, recorded: Sequence[int], nprocs: int) -> int:
+def job_status(launcher: int, recorded: Sequence[int], nprocs: int,
+               other_machines: bool = False) -> int:
     """The job's exit status: the worst of the ranks' own statuses when every rank
     recorded one (128 + N for a program killed by signal N); otherwise (a supervisor
-    itself was killed) the launcher's."""
+    itself was killed) the launcher's. Ranks on `other_machines` (a hostfile) record
+    nothing here: the launcher's status stands for theirs."""
     if len(recorded) == nprocs:
         return max(recorded)
+    if other_machines:
+        return max([launcher, *recorded])
     return launcher or 1
 
 
@@ -96,4 +100,4 @@ def launch(nprocs: int, program: Sequence[str], hostfile: str | None = None,
             proc.send_signal(signal.SIGINT)
             code = proc.wait()
         recorded = [int(f.read_text()) for f in Path(statuses).iterdir()]
-    return job_status(128 - code if code < 0 else code, recorded, nprocs)
+    return job_status(128 - code if code < 0 else code, recorded, nprocs, hostfile is not None)

@@ -20,7 +20,9 @@ anyone but its proxy) is forwarded to the program.
 
 The supervisor writes the program's exit status to $AACCL_LAUNCH_STATUS/<rank> once
 the program has exited (MPI finalized or not), because hydra does not always report
-it; then it exits with that status.
+it; then it exits with that status. That directory is on the machine `aaccl launch`
+runs on: a rank on another machine (no such directory there) records nothing, and
+the launcher goes by hydra's status for the job.
 
 With --whole-lines (`aaccl launch -l`), the program's stdout and stderr hand the
 OS whole lines: the launcher's rank prefix (hydra's -prepend-rank) goes at the start
@@ -157,7 +159,10 @@ def record(status: int) -> None:
     directory = os.environ.get("AACCL_LAUNCH_STATUS")
     rank = next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), None)
     if directory and rank is not None:
-        (Path(directory) / rank).write_text(str(status))
+        try:
+            (Path(directory) / rank).write_text(str(status))
+        except OSError:  # another machine than the launcher's: see the module docstring
+            pass
 
 
 def main(argv: list[str]) -> None:
