@@ -284,6 +284,9 @@ WORLD_OPTIONS = [
     ("nbufs-0", dict(nbufs=0), ValueError),
     ("nbufs-negative", dict(nbufs=-1), ValueError),
     ("nbufs-float", dict(nbufs=4.0), ValueError),
+    ("nbufs-beyond-the-exchange-memory", dict(nbufs=281), ValueError),  # 280 fit beside 2 ranks
+    ("world-beyond-the-exchange-memory", dict(world_size=329), ValueError),
+    ("rx-buffers-of-4-GiB", dict(nbufs=16, bufsize=2**28), ValueError),
     ("bufsize-0", dict(bufsize=0), ValueError),
     ("bufsize-not-multiple-of-8", dict(bufsize=1001), ValueError),
     ("bufsize-4", dict(bufsize=4), ValueError),

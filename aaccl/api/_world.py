@@ -23,7 +23,7 @@ from .. import _exchmem as xm
 from .._errors import Aborted, ACCLError
 from ..devices import Device
 from ..devices._emulator import DEFAULT_PORT, EAGER_ONLY, EmulatorDevice
-from ..driver import Driver
+from ..driver import Driver, check_buffers
 from ..soft import InProcessFabric, SoftDevice
 from ._accl import ACCL
 
@@ -63,15 +63,11 @@ def _check_options(world_size: Any, device: str, fabric: str, nbufs: Any, bufsiz
     if world_size is not None or fabric == "inprocess":
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    for name, value in (("nbufs", nbufs), ("bufsize", bufsize)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_buffers(nbufs, bufsize, world_size)
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r}: available here: {', '.join(DEVICES)}")
     if fabric not in FABRICS:
         raise ValueError(f"unknown fabric {fabric!r}: choose from {', '.join(FABRICS)}")
-    if bufsize % 8:
-        raise ValueError(f"bufsize must be a multiple of 8 bytes, got {bufsize}")
     if not isinstance(timeout, (int, float)) or not 0 < timeout < 4000 or math.isnan(timeout):
         raise ValueError(f"timeout must be a positive number of seconds below 4000, got {timeout!r}")
 
@@ -239,60 +235,95 @@ async def _open(dev: Device, rank: int, ranks: list[xm.RankRecord], nbufs: int,
         raise
 
 
-@asynccontextmanager
-async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: float,
-                     in_order: bool) -> AsyncIterator[list[ACCL]]:
+def import_mpi() -> Any:
+    """mpi4py's MPI module, imported as a rank of an MPI world of soft CCLOs needs it."""
     if "mpi4py.MPI" not in sys.modules:
         # MPICH's MPI_Finalize (run by mpi4py at exit) waits for every process of the
         # job; after a peer died it never returns, so a rank that reported its
         # RECEIVE_TIMEOUT_ERROR would hang at exit. Closing a world is collective
         # already: let finalize skip its barrier (set it to 0 to keep MPICH's default).
         os.environ.setdefault("MPIR_CVAR_NO_COLLECTIVE_FINALIZE", "1")
-    from ..soft import MPIFabric
-
-    def notice(signum: int, frame: Any) -> None:
-        MPIFabric.process_lost("a process of this MPI job ended (hydra's SIGUSR1)")
-
-    if threading.current_thread() is threading.main_thread() \
-            and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, signal.SIG_IGN):
-        # Under `mpiexec -disable-auto-cleanup` (as `aaccl launch` runs jobs), hydra
-        # sends SIGUSR1 to every process of the job when one of them ends without
-        # telling it (one that died; with MPICH 5, any that exits). Its default action
-        # kills silently: survivors must live to report their timeouts. While the world
-        # is open the signal tells it to close without waiting for peers that are gone;
-        # afterwards (MPI_Finalize included) it is ignored.
-        signal.signal(signal.SIGUSR1, notice)
     try:
         from mpi4py import MPI
     except ImportError:
         raise ImportError("the MPI fabric needs mpi4py: pip install 'aaccl[mpi]'") from None
+    return MPI
 
-    size = MPI.COMM_WORLD.Get_size()
-    if world_size is not None and world_size != size:
-        raise ValueError(f"world_size={world_size}, but this MPI job has {size} processes")
-    fabric = MPIFabric(MPI.COMM_WORLD, nbufs, bufsize)
+
+_worlds_listening = 0  # MPI worlds of this process open, while SIGUSR1 is theirs
+_listening_lock = threading.Lock()
+
+
+def _process_lost(signum: int, frame: Any) -> None:
+    from ..soft import MPIFabric
+
+    MPIFabric.process_lost("a process of this MPI job ended (hydra's SIGUSR1)")
+
+
+def listen_for_lost_processes() -> Callable[[], None]:
+    """Take SIGUSR1 while an MPI world is open; return what to call once it closed.
+
+    Under `mpiexec -disable-auto-cleanup` (as `aaccl launch` runs jobs), hydra sends
+    SIGUSR1 to every process of the job when one of them ends without telling it (one
+    that died; with MPICH 5, any that exits). Its default action kills silently:
+    survivors must live to report their timeouts. While a world is open the signal
+    tells it to close without waiting for peers that are gone; once none is open
+    (MPI_Finalize included) it is ignored. A program's own handler is left alone, as
+    is the signal in a world opened off the main thread (Python's rule)."""
+    global _worlds_listening
+    main = threading.current_thread() is threading.main_thread()
+    with _listening_lock:
+        if main and _worlds_listening == 0 \
+                and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, signal.SIG_IGN):
+            signal.signal(signal.SIGUSR1, _process_lost)
+        _worlds_listening += 1
+
+    def done() -> None:
+        global _worlds_listening
+        with _listening_lock:
+            _worlds_listening -= 1
+            if _worlds_listening == 0 and threading.current_thread() is threading.main_thread() \
+                    and signal.getsignal(signal.SIGUSR1) is _process_lost:
+                signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+    return done
+
+
+@asynccontextmanager
+async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: float,
+                     in_order: bool) -> AsyncIterator[list[ACCL]]:
+    from ..soft import MPIFabric
+
+    stop_listening = listen_for_lost_processes()
     try:
-        dev = SoftDevice(fabric.rank, fabric.port(fabric.rank), in_order=in_order)
-        accl = await _open(dev, fabric.rank, _ranks(size, bufsize), nbufs, bufsize, timeout)
+        MPI = import_mpi()
+        size = MPI.COMM_WORLD.Get_size()
+        if world_size is not None and world_size != size:
+            raise ValueError(f"world_size={world_size}, but this MPI job has {size} processes")
+        check_buffers(nbufs, bufsize, size)
+        fabric = MPIFabric(MPI.COMM_WORLD, nbufs, bufsize)
         try:
-            yield [accl]
-        except BaseException as exc:
-            reason = _why(exc)
-            accl._abort(reason)
-            accl._depart(f"its world closed: {reason}")
-            raise
-        else:
-            with anyio.CancelScope(shield=True):
-                await accl._settle()  # what it sent may still be needed
-            accl._depart("its program returned and its world closed")
+            dev = SoftDevice(fabric.rank, fabric.port(fabric.rank), in_order=in_order)
+            accl = await _open(dev, fabric.rank, _ranks(size, bufsize), nbufs, bufsize, timeout)
+            try:
+                yield [accl]
+            except BaseException as exc:
+                reason = _why(exc)
+                accl._abort(reason)
+                accl._depart(f"its world closed: {reason}")
+                raise
+            else:
+                with anyio.CancelScope(shield=True):
+                    await accl._settle()  # what it sent may still be needed
+                accl._depart("its program returned and its world closed")
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await accl.aclose()
         finally:
             with anyio.CancelScope(shield=True):
-                await accl.aclose()
+                await anyio.to_thread.run_sync(fabric.close, timeout)
     finally:
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(fabric.close, timeout)
-        if signal.getsignal(signal.SIGUSR1) is notice:
-            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        stop_listening()
 
 
 def run(main: Callable[[ACCL], Awaitable[T]], world_size: int | None = None, *,
@@ -409,6 +440,20 @@ def _gather_results(mine: Any, timeout: float) -> list[Any]:
     at once if the launcher said a process ended, else after `timeout`: never a hang."""
     from mpi4py import MPI
 
+    me = MPI.COMM_WORLD.rank
+    return gather_from_every_rank(
+        mine, timeout, lambda ended: f"rank {me} cannot gather every rank's result: {ended}"
+        if ended else f"not every rank finished within {timeout} s of rank {me}")
+
+
+def gather_from_every_rank(mine: Any, timeout: float,
+                           why_not: Callable[[str | None], str]) -> list[Any]:
+    """Every process's `mine` (any picklable value), in MPI rank order, once every
+    process of the job has called this. If one does not within `timeout`, or the
+    launcher says a process ended first, raise ACCLError(why_not(why it ended, or None
+    for the timeout)): never a hang."""
+    from mpi4py import MPI
+
     from ..soft import MPIFabric
 
     comm = MPI.COMM_WORLD
@@ -416,9 +461,7 @@ def _gather_results(mine: Any, timeout: float) -> list[Any]:
     deadline = time.monotonic() + timeout
     while not barrier.Test():
         ended = MPIFabric.ended()
-        if ended is not None:
-            raise ACCLError(f"rank {comm.rank} cannot gather every rank's result: {ended}")
-        if time.monotonic() > deadline:
-            raise ACCLError(f"not every rank finished within {timeout} s of rank {comm.rank}")
+        if ended is not None or time.monotonic() > deadline:
+            raise ACCLError(why_not(ended))
         time.sleep(0.001)
     return comm.allgather(mine)

@@ -7,8 +7,11 @@ addresses and dtypes; validation and host<->device syncs belong to the API above
 
 from __future__ import annotations
 
+import numbers
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +34,34 @@ CONFIG_TIMEOUT = 60.0
 """Seconds the driver waits for one configuration call before giving up on the device."""
 
 
+def check_buffers(nbufs: Any, bufsize: Any, nranks: int | None = None,
+                  arith_configs: Iterable[xm.ArithConfig] | None = None) -> None:
+    """Raise ValueError unless `nbufs` rx buffers of `bufsize` bytes suit the CCLO:
+    whole bytes in 8-byte words, sizes its 32-bit registers hold, and records that
+    fit its exchange memory beside the world's communicator of `nranks` (if given)
+    and the arithmetic configs. Pure: run it before any device is touched."""
+    for name, value in (("nbufs", nbufs), ("bufsize", bufsize)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if bufsize % 8:
+        raise ValueError(f"bufsize must be a multiple of 8 bytes, got {bufsize}")
+    if nbufs * bufsize >= 2**32:
+        raise ValueError(f"nbufs * bufsize ({nbufs} * {bufsize}) must stay below 4 GiB: the "
+                         "CCLO's message size registers are 32-bit")
+    if nranks is None:
+        return
+    configs = xm.DEFAULT_ARITH_CONFIGS.values() if arith_configs is None else arith_configs
+    room = xm.CONFIG_END - xm.RX_RECORDS - sum(cfg.nbytes for cfg in configs)
+    per_rank, record = 4 * xm.RankRecord.WORDS, 4 * xm.RxBuffer.WORDS
+    world = 8 + per_rank * nranks  # the communicator's record (xm.Communicator.nbytes)
+    if world + record > room:
+        raise ValueError(f"a world of {nranks} ranks does not fit the CCLO's exchange memory "
+                         f"beside one rx buffer: at most {(room - record - 8) // per_rank} ranks")
+    if world + nbufs * record > room:
+        raise ValueError(f"nbufs={nbufs} rx buffers do not fit the CCLO's exchange memory "
+                         f"beside a world of {nranks} ranks: at most {(room - world) // record}")
+
+
 class Driver:
     """Configures one CCLO and submits its calls."""
 
@@ -50,6 +81,9 @@ class Driver:
         self._arith: dict[tuple[np.dtype, np.dtype], int] = {}
         self._allocations: list[int] = []
         self._next_free = xm.RX_RECORDS
+        # exchange memory and `communicators` grow from any thread (pyaccl's threads
+        # split communicators on one instance): one writer at a time
+        self._records = threading.RLock()
 
     # -- configuration (blocking: run it off the event loop) -------------------------
 
@@ -98,17 +132,19 @@ class Driver:
         return address
 
     def _write_communicator(self, comm: xm.Communicator) -> int:
-        address = self._write_record(comm.words())
-        self.communicators.append((address, comm))
-        return len(self.communicators) - 1
+        with self._records:
+            address = self._write_record(comm.words())
+            self.communicators.append((address, comm))
+            return len(self.communicators) - 1
 
     def _write_record(self, words: list[int]) -> int:
-        address = self._next_free
-        if address + 4 * len(words) > xm.CONFIG_END:
-            raise ValueError("the exchange memory is full: no room for another communicator")
-        self._write_words(address, words)
-        self._next_free = address + 4 * len(words)
-        return address
+        with self._records:
+            address = self._next_free
+            if address + 4 * len(words) > xm.CONFIG_END:
+                raise ValueError("the exchange memory is full: no room for another communicator")
+            self._write_words(address, words)
+            self._next_free = address + 4 * len(words)
+            return address
 
     def _write_words(self, offset: int, words: Sequence[int]) -> None:
         for i, word in enumerate(words):
