@@ -101,6 +101,8 @@ class MPIFabric:
         self.lost: str | None = None  # why a peer is known to be gone, if one is
         self.mpi_errors: list[str] = []  # what MPI reported (about dead peers), first few
         self._closed = False
+        self._farewells = 0  # peers' last messages, one per control tag each (`close`)
+        self._said_farewell = False  # sends nothing more: see `close`
         self._poll_lock = threading.Lock()  # one poller at a time: arrivals stay in order
         self._polled_at = -math.inf  # when a task last polled (`poll`)
         self._tasks_gone = threading.Event()  # a polling task parked (`park`)
@@ -151,6 +153,8 @@ class MPIFabric:
 
     def _isend(self, buf: Any, dst: int, tag: int, keepalive: object) -> None:
         """Start an MPI send; `keepalive` (what it reads) lives until it completes."""
+        if self._said_farewell:  # (an ack after closing: nobody waits for it any more)
+            return
         try:
             request = self.comm.Isend(buf, dst, tag)
         except _mpi_exception() as error:  # MPI failed (a peer died): this message is lost
@@ -224,7 +228,9 @@ class MPIFabric:
         data = bytearray(status.Get_count(self._byte))
         message.Recv([data, self._byte])
         obj = pickle.loads(data)
-        if tag == HEADER:
+        if obj is None:  # the peer closes: nothing more comes from it under this tag
+            self._farewells += 1
+        elif tag == HEADER:
             self._receive(src, data, *obj)
         elif tag == ACK:
             self._acked(obj)
@@ -342,17 +348,29 @@ class MPIFabric:
 
     def close(self, timeout: float) -> None:
         """Wait (up to `timeout`, or until a process of the job is known to be dead) for
-        every rank to get here, so no acknowledgement is still on its way, then stop the
+        every rank to get here and for everything they sent before, then stop the
         progress thread and free the communicator. If the ranks did not all get here,
-        the exit of this process is watched (`watch_exit`)."""
+        the exit of this process is watched (`watch_exit`).
+
+        Every rank sends each peer a farewell under each control tag, and sends nothing
+        after it; MPI keeps a sender's messages of one tag in order, so once a rank has
+        every peer's farewells (and the payloads of the headers before them), nothing
+        is left in flight for it. A message still in flight when the communicator is
+        freed would otherwise be received by the process's next world, as MPI reuses
+        a freed communicator's context for the next one."""
         from mpi4py import MPI
 
         done = False
         try:
-            barrier = self.comm.Ibarrier()
+            for peer in range(self.size):
+                if peer != self.rank:
+                    for tag in (HEADER, ACK, WITHDRAW):
+                        self._send_obj(None, peer, tag)
+            self._said_farewell = True
+            expected = 3 * (self.size - 1)
             deadline = time.monotonic() + timeout
-            while not (done := barrier.Test()) and self.lost is None \
-                    and time.monotonic() < deadline:
+            while not (done := self._farewells == expected and not self._arriving) \
+                    and self.lost is None and time.monotonic() < deadline:
                 time.sleep(IDLE_SLEEP)
         except MPI.Exception as error:
             self._mpi_error(error)
