@@ -8,7 +8,9 @@ form worlds, the printed tables, and the emulator and card modes.
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +26,7 @@ from aaccl.compat import (
     CCLOp,
     ErrorCode,
     Handle,
+    _worlds,
     accl,
 )
 from aaccl.soft._device import HWID as SOFT_HWID
@@ -382,3 +385,226 @@ def test_xclbin_drives_a_card_through_pynq(monkeypatch: pytest.MonkeyPatch) -> N
             a.deinit()
     finally:
         fake.shutdown()
+
+
+# -- robustness: concurrent splits, bad constructors, stray instances ----------------------------
+
+@pytest.fixture
+def eager_thread_switches() -> Iterator[None]:
+    """Let threads switch every microsecond instead of every 5 ms: a race between
+    threads then shows in a few trials instead of one in hundreds."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(before)
+
+
+def comm_id_of(a: accl, members: list[int]) -> int:
+    """The index of the newest communicator of global ranks `members` on `a`."""
+    ports = [9000 + m for m in members]
+    found = [c.index for c in a.communicators if [r["port"] for r in c.ranks] == ports]
+    assert found, f"no communicator of ranks {members} on {a}"
+    return found[-1]
+
+
+def test_threads_splitting_communicators_on_one_instance_get_their_own_records(
+        world: Any, eager_thread_switches: None) -> None:
+    """Ranks 1 and 2 split two communicators at once, from two threads each, 20 times
+    over; every communicator gets exchange memory of its own, and an allreduce on it
+    from the splitting thread sums its members' data."""
+    ranks = world(4)
+    groups = ([0, 1, 2], [1, 2, 3])
+    for trial in range(20):
+        jobs = [(r, g) for g in groups for r in g]
+        start = threading.Barrier(len(jobs))
+        results: dict[tuple[int, int], np.ndarray] = {}
+
+        def split_and_sum(job: tuple[int, list[int]], trial: int = trial,
+                          start: threading.Barrier = start,
+                          results: dict[tuple[int, int], np.ndarray] = results) -> None:
+            r, members = job
+            a = ranks[r]
+            start.wait(10)
+            a.split_communicator(members)
+            buf = a.allocate((16,), np.int64)
+            buf[:] = 100 * trial + r
+            a.allreduce(buf, buf, 16, SUM, comm_id=comm_id_of(a, members))
+            results[(r, members[0])] = np.array(buf)
+
+        on_threads(jobs, split_and_sum)
+        for (r, first), got in results.items():
+            members = groups[first]
+            np.testing.assert_array_equal(got, sum(100 * trial + m for m in members))
+    for a in ranks:
+        addresses = [c.addr for c in a.communicators]
+        assert len(set(addresses)) == len(addresses), f"{a}: records share an address"
+        for c in a.communicators[1:]:  # every record reads back as what was split
+            members = [r["port"] - 9000 for r in c.ranks]
+            assert members in ([0, 1, 2], [1, 2, 3])
+            assert c.local_rank == members.index(rank_of(a))
+
+
+def test_communicators_read_from_many_threads_are_listed_once(
+        world: Any, eager_thread_switches: None) -> None:
+    (a,) = world(1)
+    for rounds in range(1, 21):
+        for _ in range(3):
+            a.split_communicator([0])
+        start = threading.Barrier(8)
+
+        def read(a: accl, start: threading.Barrier = start) -> list[int]:
+            start.wait(10)
+            return [c.index for c in a.communicators]
+
+        lists = on_threads([a] * 8, read)
+        assert all(indices == list(range(1 + 3 * rounds)) for indices in lists)
+
+
+def allreduce_works(group: list[accl]) -> None:
+    bufs = {rank_of(a): a.allocate((8,), np.int32) for a in group}
+    for r, buf in bufs.items():
+        buf[:] = r + 1
+    on_threads(group, lambda a: a.allreduce(bufs[rank_of(a)], bufs[rank_of(a)], 8, SUM))
+    n = len(group)
+    for buf in bufs.values():
+        np.testing.assert_array_equal(buf, n * (n + 1) // 2)
+
+
+BAD_CONSTRUCTORS = [
+    (dict(bufsize=7), ValueError, "bufsize must be a multiple of 8 bytes, got 7"),
+    (dict(bufsize=0), ValueError, "bufsize must be a positive integer, got 0"),
+    (dict(bufsize="1024"), ValueError, "bufsize must be a positive integer, got '1024'"),
+    (dict(nbufs=0), ValueError, "nbufs must be a positive integer, got 0"),
+    (dict(nbufs=-3), ValueError, "nbufs must be a positive integer, got -3"),
+    (dict(nbufs=281), ValueError, "nbufs=281 rx buffers do not fit the CCLO's exchange memory "
+                                  "beside a world of 2 ranks: at most 280"),
+    (dict(nbufs=2**20, bufsize=2**12), ValueError, r"must stay below 4 GiB"),
+    (dict(nranks=0), ValueError, "nranks must be at least 1, got 0"),
+    (dict(nranks=2.0), TypeError, "nranks must be an integer, not 2.0"),
+    (dict(nranks=400), ValueError, "a world of 400 ranks does not fit"),
+    (dict(local_rank=-1), ValueError, "local_rank must be at least 0, got -1"),
+    (dict(local_rank=2), ValueError, "local_rank 2 is not a rank of a world of 2"),
+    (dict(local_rank=True), TypeError, "local_rank must be an integer, not True"),
+    (dict(sim_mode="yes"), TypeError, "sim_mode must be True or False, not 'yes'"),
+    (dict(protocol="IB"), ValueError, "Unrecognized Protocol"),
+    (dict(ranks=[{"ip": "10.0.0.1", "port": 1}, {"ip": "10.0.0.300", "port": 2}]),
+     ValueError, r"ranks\[1\] = .* is no rank as pyaccl describes one .*: ip '10.0.0.300' "
+                 "is not an IPv4 address"),
+    (dict(ranks=[{"ip": "10.0.0.1"}, {"ip": "10.0.0.2"}]), ValueError, "KeyError: 'port'|'port'"),
+    (dict(ranks="10.0.0.1"), TypeError, "ranks must be a list of one dict per rank"),
+    (dict(arith_config={("float32", "nope"): ACCL_DEFAULT_ARITH_CONFIG[("float32", "float32")]}),
+     TypeError, "arith_config names a dtype numpy does not know"),
+    (dict(arith_config={"float32": 1}), TypeError, "must be an ACCLArithConfig"),
+    (dict(cclo_idx=-1), ValueError, "cclo_idx must be at least 0, got -1"),
+    (dict(sim_sock=5500), TypeError, "sim_sock must be a ZMQ address"),
+]
+
+
+@pytest.mark.parametrize(("bad", "kind", "message"), BAD_CONSTRUCTORS,
+                         ids=[next(iter(b)) + "=" + repr(b[next(iter(b))])[:20]
+                              for b, _, _ in BAD_CONSTRUCTORS])
+def test_a_rejected_constructor_takes_no_place_in_a_world(world: Any, bad: dict[str, Any],
+                                                          kind: type, message: str) -> None:
+    """Between rank 0 and rank 1 of a world, a constructor with one bad argument raises
+    before anything is made; rank 1 made next completes rank 0's world, and the world
+    after that forms as usual."""
+    first = world(1)  # a world of one in between changes nothing either
+    a0 = accl(2, 0, sim_mode=True)
+    try:
+        with pytest.raises(kind, match=message):
+            accl(**{"nranks": 2, "local_rank": 1, "sim_mode": True, **bad})
+        a1 = accl(2, 1, sim_mode=True)
+        try:
+            allreduce_works([a0, a1])
+        finally:
+            a1.deinit()
+    finally:
+        a0.deinit()
+    allreduce_works(world(2))
+    allreduce_works(first)
+
+
+def test_a_constructor_whose_device_fails_takes_no_place(world: Any,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from aaccl.driver import Driver
+
+    configure = Driver.configure
+
+    def fails_once(self: Driver) -> None:
+        monkeypatch.setattr(Driver, "configure", configure)
+        raise RuntimeError("the device broke")
+
+    a0 = accl(2, 0, sim_mode=True)
+    try:
+        monkeypatch.setattr(Driver, "configure", fails_once)
+        with pytest.raises(RuntimeError, match="the device broke"):
+            accl(2, 1, sim_mode=True)
+        a1 = accl(2, 1, sim_mode=True)
+        try:
+            allreduce_works([a0, a1])
+        finally:
+            a1.deinit()
+    finally:
+        a0.deinit()
+
+
+def test_a_stray_instance_does_not_shift_later_worlds_and_learns_why(world: Any) -> None:
+    """An extra accl(2, 0) whose rank 1 never comes: the next accl(2, 0) starts a new
+    world, which accl(2, 1) completes; the stray's calls that need rank 1 fail at
+    once, saying why, where they used to wait for the timeout."""
+    stray = accl(2, 0, sim_mode=True)
+    try:
+        pending = stray.recv(stray.allocate((4,)), 4, 1, run_async=True)  # waits for rank 1
+        allreduce_works(world(2))
+        allreduce_works(world(2))  # and the next world too
+        started = time.monotonic()
+        with pytest.raises(aaccl.Aborted, match=r"rank 1 left the world: its accl\(2, 1, "
+                           r"sim_mode=True\) was never made: a later accl\(2, 0, sim_mode=True\) "
+                           r"started a new world first"):
+            pending.wait(5)
+        with pytest.raises(aaccl.Aborted, match="was never made"):
+            stray.send(stray.allocate((4,)), 4, 1)
+        assert time.monotonic() - started < 1  # not the 10 s timeout
+        stray.nop()  # what needs no peer still works
+    finally:
+        stray.deinit()
+
+
+def test_a_world_with_a_rank_closed_before_it_was_complete_is_not_joined(world: Any) -> None:
+    early = accl(3, 0, sim_mode=True)
+    other = accl(3, 1, sim_mode=True)
+    try:
+        early.deinit()
+        pending = other.recv(other.allocate((4,)), 4, 2, run_async=True)
+        with pytest.raises(aaccl.Aborted, match=r"accl\(3, 2, sim_mode=True\) was never made: "
+                                               "rank 0 of its world was closed"):
+            pending.wait(5)
+        allreduce_works(world(3))  # rank 2 made now starts a fresh world with its peers
+    finally:
+        other.deinit()
+    assert 3 not in _worlds._forming
+
+
+@pytest.mark.parametrize(("value", "kind", "message"), [
+    (-1, ValueError, "timeout must be 1 to 4294967295 timer ticks"),
+    (0, ValueError, "timeout must be 1 to 4294967295 timer ticks"),
+    (2**32, ValueError, "timeout must be 1 to 4294967295 timer ticks"),
+    (1.5, TypeError, "timeout must be an integer, not 1.5"),
+    ("100", TypeError, "timeout must be an integer, not '100'"),
+    (None, TypeError, "timeout must be an integer, not None"),
+])
+def test_set_timeout_rejects_what_the_cclo_cannot_hold(world: Any, value: Any, kind: type,
+                                                       message: str) -> None:
+    a0, a1 = world(2)
+    with pytest.raises(kind, match=message):
+        a1.set_timeout(value)
+    a1.set_timeout(2e5)  # a whole float is taken: 0.2 s
+    src, dst = a0.allocate((8,)), a1.allocate((8,))
+    src[:] = 6
+    a0.send(src, 8, 1)
+    a1.recv(dst, 8, 0)
+    np.testing.assert_array_equal(dst, 6)
+    started = time.monotonic()
+    with pytest.raises(aaccl.CCLOError, match="RECEIVE_TIMEOUT"):
+        a1.recv(dst, 8, 0)  # nobody sends: fails after the 0.2 s set above
+    assert 0.15 < time.monotonic() - started < 2

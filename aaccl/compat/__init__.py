@@ -2,7 +2,8 @@
 `from pyaccl import accl` changed to `from aaccl.compat import accl`.
 
 See docs/migrating.md for the differences (errors raise instead of passing
-silently; `sim_mode=True` is aaccl's soft CCLO) and how to move to the async API.
+silently; `sim_mode=True` is aaccl's soft CCLO, whose ranks are instances of one
+process, or one per process under mpiexec) and how to move to the async API.
 """
 
 from .._constants import GLOBAL_COMM, TAG_ANY

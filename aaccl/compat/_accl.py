@@ -10,25 +10,26 @@ matching receive), as pyaccl's notebooks do.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from .. import _exchmem as xm
 from .._constants import GLOBAL_COMM, TAG_ANY, ConfigFunction, ErrorCode
-from ..api import ACCL, Buffer, Call
+from ..api import ACCL, Buffer, Call, mpi_launched
 from ..devices import Device
 from ..devices._emulator import EAGER_ONLY
 from ..driver import Driver
-from . import _devices
+from . import _devices, _worlds
+from ._checks import Settings, settings, timeout_ticks
 from ._tables import (
     ACCL_DEFAULT_ARITH_CONFIG,
     ACCLArithConfig,
     ACCLCommunicator,
     ACCLReduceFunctions,
     ACCLStreamFlags,
-    arith_records,
 )
 
 DEFAULT_TIMEOUT = 10.0
@@ -74,9 +75,12 @@ class accl:  # noqa: N801  (pyaccl's name)
     """One rank's CCLO, as pyaccl 0.2's `accl` drove it.
 
     `sim_mode=True` runs it on aaccl's embedded soft CCLO: the `nranks` instances
-    a process makes (ranks 0..nranks-1, in any order) form one world. `sim_sock=`
-    drives ACCL's emulator instead (pyaccl's meaning of sim mode), `xclbin=` an
-    Alveo card through PYNQ (card `board_idx`, CCLO `cclo_idx`).
+    a process makes (ranks 0..nranks-1, in any order) form one world; under
+    `mpiexec -n nranks`, each process makes its own rank (`local_rank` its MPI
+    rank) and the processes form one world over MPI. `sim_sock=` drives ACCL's
+    emulator instead (pyaccl's meaning of sim mode), `xclbin=` an Alveo card
+    through PYNQ (card `board_idx`, CCLO `cclo_idx`). Every argument is checked
+    before anything is made: a failed constructor takes no place in a world.
     """
 
     def __init__(self, nranks: int, local_rank: int, ranks: Sequence[dict[str, Any]] | None = None,
@@ -84,42 +88,60 @@ class accl:  # noqa: N801  (pyaccl's name)
                  arith_config: dict[tuple[str, str], ACCLArithConfig] = ACCL_DEFAULT_ARITH_CONFIG,
                  sim_mode: bool = False, xclbin: str | None = None, sim_sock: str | None = None,
                  board_idx: int | None = None, cclo_idx: int = 0) -> None:
-        if not sim_mode and xclbin is None:
-            raise ValueError("FPGA bitstream must be provided")
-        size = nranks if ranks is None else len(ranks)
-        if not 0 <= local_rank < size:
-            raise ValueError(f"local_rank {local_rank} is not a rank of a world of {size}")
-        if protocol is not None and protocol not in ("TCP", "UDP", "AXIS"):
-            raise ValueError("Unrecognized Protocol" if protocol != "RDMA"
-                             else "RDMA not supported yet")
-        self.sim_mode, self.sim_sock = sim_mode, sim_sock
-        self.protocol = protocol or ("TCP" if sim_mode else "AXIS")
-        self.rx_buffer_size = self.segment_size = bufsize
-        self.arith_config = arith_config
-        soft = sim_mode and sim_sock is None
-        device: Device
-        if soft:
-            device = _devices.soft_device(size, local_rank)
-        elif sim_mode:
-            assert sim_sock is not None
-            device = _devices.emulator_device(sim_sock, local_rank, self.protocol)
-        else:
-            assert xclbin is not None
-            device = _devices.card_device(xclbin, board_idx, cclo_idx)
-        eager = EAGER_ONLY if sim_mode and not soft else None  # the emulator's TCP/UDP stacks
-        driver = Driver(device, local_rank, _devices.rank_records(size, ranks, bufsize, soft),
-                        nbufs=nbufs, bufsize=bufsize, timeout=DEFAULT_TIMEOUT,
-                        max_eager_size=eager, arith_configs=arith_records(arith_config))
+        mpi = sim_mode is True and sim_sock is None and mpi_launched()
+        wanted: Settings | Exception
         try:
-            driver.configure()
-        except BaseException:
-            device.close()
-            raise
-        self._driver = driver
+            wanted = settings(nranks, local_rank, ranks, protocol, nbufs, bufsize, arith_config,
+                              sim_mode, xclbin, sim_sock, board_idx, cclo_idx)
+        except (TypeError, ValueError) as error:
+            if not mpi:
+                raise
+            wanted = error  # the job's other processes hear of it (join_mpi raises it)
+        place: _worlds.Place | None = None
+        if mpi:
+            driver, place = _worlds.join_mpi(wanted, self._configure(wanted))
+        else:
+            assert isinstance(wanted, Settings)
+            if wanted.mode == "soft":
+                driver, place = _worlds.join(wanted.size, wanted.rank, self._configure(wanted))
+            elif wanted.emulator is not None:
+                driver = self._configure(wanted)(_devices.emulator_device(
+                    *wanted.emulator, wanted.rank, wanted.protocol))
+            else:
+                driver = self._configure(wanted)(_devices.card_device(
+                    str(wanted.xclbin), wanted.board_idx, wanted.cclo_idx))
+        assert isinstance(wanted, Settings)
+        self.sim_mode, self.sim_sock = sim_mode, sim_sock
+        self.protocol = wanted.protocol
+        self.rx_buffer_size = self.segment_size = wanted.bufsize
+        self.arith_config = arith_config
+        self._driver, self._place = driver, place
         self._accl = ACCL(driver)
+        self._timeout = DEFAULT_TIMEOUT  # seconds; see set_timeout
+        self._lock = threading.Lock()  # guards the `communicators` list
+        self._communicators: list[ACCLCommunicator] = []
         for (a, b), cfg in arith_config.items():
             cfg.exchmem_addr = driver.arithcfg(np.dtype(a), np.dtype(b))
-        self._communicators: list[ACCLCommunicator] = []
+        if mpi:
+            _worlds.deinit_at_exit(self)
+
+    @staticmethod
+    def _configure(wanted: Settings | Exception) -> Callable[[Device], Driver]:
+        """How to bring this rank's device to ready (it is closed if that fails)."""
+        def configure(device: Device) -> Driver:
+            assert isinstance(wanted, Settings)
+            eager = EAGER_ONLY if wanted.mode == "emulator" else None  # its TCP/UDP stacks
+            driver = Driver(device, wanted.rank, wanted.records, nbufs=wanted.nbufs,
+                            bufsize=wanted.bufsize, timeout=DEFAULT_TIMEOUT,
+                            max_eager_size=eager, arith_configs=wanted.arith)
+            try:
+                driver.configure()
+            except BaseException:
+                device.close()
+                raise
+            return driver
+
+        return configure
 
     def __repr__(self) -> str:
         return f"<aaccl.compat.accl rank {self._accl.rank} of {self._accl.size}>"
@@ -127,10 +149,11 @@ class accl:  # noqa: N801  (pyaccl's name)
     @property
     def communicators(self) -> list[ACCLCommunicator]:
         """The communicators, global first, then each split in order."""
-        for index in range(len(self._communicators), len(self._driver.communicators)):
-            address, record = self._driver.communicators[index]
-            self._communicators.append(ACCLCommunicator(record, index, address,
-                                                        self._driver.device.mmio_read))
+        with self._lock:
+            for index in range(len(self._communicators), len(self._driver.communicators)):
+                address, record = self._driver.communicators[index]
+                self._communicators.append(ACCLCommunicator(record, index, address,
+                                                            self._driver.device.mmio_read))
         return self._communicators
 
     @property
@@ -238,13 +261,24 @@ class accl:  # noqa: N801  (pyaccl's name)
         self._accl.split_communicator(sorted(set(indices)))
 
     def deinit(self) -> None:
-        """Wait for this rank's outstanding calls, then release its CCLO."""
-        self._accl._close_blocking()
+        """Wait for this rank's outstanding calls, then release its CCLO. Under
+        mpiexec, the other ranks' calls that wait for this one then fail at once, and
+        deinit waits (up to the timeout) for every process to deinit."""
+        place, self._place = self._place, None
+        if place is None:
+            self._accl._close_blocking()
+            return
+        try:
+            place.close(self._accl, self._timeout)
+        finally:
+            _worlds.deinitialized(self)
 
     def set_timeout(self, value: int, run_async: bool = False) -> None:
         """How long a call may wait for a peer, in the CCLO's timer ticks (1 us on the
-        soft CCLO, 4 ns on cards)."""
-        self._driver._config_call(ConfigFunction.SET_TIMEOUT, int(value))
+        soft CCLO, 4 ns on cards): 1 to 2**32 - 1."""
+        ticks = timeout_ticks(value)
+        self._driver._config_call(ConfigFunction.SET_TIMEOUT, ticks)
+        self._timeout = ticks / self._driver.device.timer_hz
 
     def get_hwid(self) -> int:
         return self._driver.device.mmio_read(xm.HWID)
