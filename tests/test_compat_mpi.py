@@ -10,14 +10,11 @@ once with a clear error; every job has a hard time limit.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
-import time
 
 import pytest
-from test_mpi_fabric import MPIEXEC, ROOT, WORKERS, Job, _kill_tree
+from test_mpi_fabric import MPIEXEC, WORKERS, Job, run_job
 
 pytest.importorskip("mpi4py")
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install 'aaccl[mpi]')")
@@ -25,30 +22,13 @@ pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install
 LIMIT = 90.0  # seconds a job may take before its processes are killed
 
 
-def run(cmd: list[str], limit: float = LIMIT) -> Job:
-    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OPENBLAS_NUM_THREADS": "1",
-           "OMP_NUM_THREADS": "1"}
-    started = time.monotonic()
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc.pid)
-        out, err = proc.communicate()
-        job = Job(cmd, proc.returncode, out, err, time.monotonic() - started)
-        pytest.fail(f"the job did not end within {limit} s: it hangs{job.explain()}")
-    return Job(cmd, proc.returncode, out, err, time.monotonic() - started)
-
-
 def program(nprocs: int, suite: str, launcher: str = "mpiexec") -> Job:
     script = [sys.executable, str(WORKERS / "compat_prog.py"), suite]
     if launcher == "mpiexec":
         assert MPIEXEC is not None
-        return run([MPIEXEC, "-n", str(nprocs), *script])
-    return run([sys.executable, "-m", "aaccl", "launch", "-n", str(nprocs), *script[1:]])
+        return run_job([MPIEXEC, "-n", str(nprocs), *script], LIMIT)
+    return run_job([sys.executable, "-m", "aaccl", "launch", "-n", str(nprocs), *script[1:]],
+                   LIMIT)
 
 
 def oks(job: Job) -> dict[int, int]:
@@ -138,7 +118,7 @@ def test_a_pyaccl_pytest_suite_runs_under_mpiexec() -> None:
     """Each process runs the suite, a world per test (3 processes cost 3 s more)."""
     nprocs = 2
     assert MPIEXEC is not None
-    job = run([MPIEXEC, "-n", str(nprocs), sys.executable, "-m", "pytest", "-q",
-               "-p", "no:cacheprovider", str(WORKERS / "compat_suite.py")])
+    job = run_job([MPIEXEC, "-n", str(nprocs), sys.executable, "-m", "pytest", "-q",
+                   "-p", "no:cacheprovider", str(WORKERS / "compat_suite.py")], LIMIT)
     assert job.returncode == 0, job.explain()
     assert len(re.findall(r"^6 passed", job.stdout, re.MULTILINE)) == nprocs, job.explain()

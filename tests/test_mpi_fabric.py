@@ -126,8 +126,13 @@ def launch(nprocs: int, worker: str, suite: str, *options: str,
            limit: float = HARD_LIMIT) -> Job:
     """Run `worker` SUITE on `nprocs` ranks; kill everything after `limit` seconds."""
     assert MPIEXEC is not None
-    cmd = [MPIEXEC, *mpiexec_options, "-n", str(nprocs), sys.executable,
-           str(WORKERS / worker), suite, *options]
+    return run_job([MPIEXEC, *mpiexec_options, "-n", str(nprocs), sys.executable,
+                    str(WORKERS / worker), suite, *options], limit, env)
+
+
+def run_job(cmd: list[str], limit: float = HARD_LIMIT, env: dict[str, str] | None = None) -> Job:
+    """Run a job (mpiexec, `aaccl launch`) from the repository with aaccl importable;
+    kill its whole process tree, and fail the test, if it outlasts `limit` seconds."""
     paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(paths),
                    "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", **(env or {})}
@@ -252,23 +257,8 @@ def test_killed_rank_survivors_fail_with_receive_timeout(nprocs: int) -> None:
     -disable-auto-cleanup, so hydra does not kill the survivors either. MPICH then
     moves the ranks' messages through shared memory, where a survivor that reads a dead
     sender's memory (CMA) gets an MPI error, which the MPI fabric survives."""
-    cmd = [sys.executable, "-m", "aaccl", "launch", "-n", str(nprocs),
-           str(WORKERS / "faults.py"), "kill", f"timeout={TIMEOUT}"]
-    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OPENBLAS_NUM_THREADS": "1",
-           "OMP_NUM_THREADS": "1"}
-    started = time.monotonic()
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=FAULT_LIMIT)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc.pid)
-        out, err = proc.communicate()
-        job = Job(cmd, proc.returncode, out, err, time.monotonic() - started)
-        pytest.fail(f"the job did not end within {FAULT_LIMIT} s: it hangs{job.explain()}")
-    job = Job(cmd, proc.returncode, out, err, time.monotonic() - started)
+    job = run_job([sys.executable, "-m", "aaccl", "launch", "-n", str(nprocs),
+                   str(WORKERS / "faults.py"), "kill", f"timeout={TIMEOUT}"], FAULT_LIMIT)
     assert_timed_out(job, list(range(nprocs - 1)))
     assert nprocs - 1 not in job.faults(), job.explain()
     assert job.returncode == 128 + signal.SIGKILL, job.explain()  # the victim's status
