@@ -29,7 +29,8 @@ from conftest import run_ranks
 OP0, RES = StreamFlags.OP0_STREAM, StreamFlags.RES_STREAM
 BOTH = OP0 | RES
 SUM = ReduceFunction.SUM
-TIMEOUT = 0.3
+TIMEOUT = 5.0  # for waits that end by themselves
+SHORT = 0.3  # for waits that are to time out
 N = 700  # float32: 2800 bytes, three segments of a 1024-byte rx buffer
 
 
@@ -319,7 +320,7 @@ async def test_stream_calls_run_in_submission_order() -> None:
 
 @pytest.mark.anyio
 async def test_reading_an_empty_stream_times_out_and_the_rank_stays_usable() -> None:
-    async with aaccl.open_world(1, timeout=TIMEOUT) as (accl,):
+    async with aaccl.open_world(1, timeout=SHORT) as (accl,):
         accl.attach_stream(lambda chunk, tag: None)  # a sink
         await load(accl, values(0, 8))
         with pytest.raises(CCLOError) as info:
@@ -352,7 +353,7 @@ async def test_a_kernel_that_raises_fails_the_next_read_with_kernel_error() -> N
 @pytest.mark.anyio
 async def test_a_send_from_an_empty_stream_gives_back_its_place() -> None:
     """It times out before sending: the receiver's next message still matches."""
-    async with aaccl.open_world(2, timeout=TIMEOUT) as accls:
+    async with aaccl.open_world(2, timeout=SHORT) as accls:
         a, b = accls
         with pytest.raises(CCLOError) as info:
             await a.send(a.allocate(1), 4, 1, stream_flags=OP0)
