@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import math
+import os
 import pickle
 import signal
 import threading
@@ -109,6 +110,11 @@ class MPIFabric:
         from mpi4py import MPI
 
         self._mpi, self._byte, self._status = MPI, MPI.BYTE, MPI.Status()
+        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        # tasks poll only where every process of this machine has a core of its own:
+        # else a spinning rank takes the core from the peer whose message it awaits
+        self.spins = node.Get_size() <= len(os.sched_getaffinity(0))
+        node.Free()
         _open.add(self)
         self._thread = threading.Thread(target=self._progress, name=f"aaccl-mpi-{self.rank}",
                                         daemon=True)
@@ -173,9 +179,12 @@ class MPIFabric:
         if not self._poll_lock.acquire(blocking=False):
             return False
         try:
-            return self._poll_once()
+            came = self._poll_once()
         finally:
             self._poll_lock.release()
+        if not came:  # let a process that has something to do have the core
+            os.sched_yield()
+        return came
 
     def park(self) -> None:
         """A task stopped polling before its call finished: the progress thread, which
@@ -407,8 +416,8 @@ class MPIPort:
         return self.fabric.post(dst, msg, timeout_code)
 
     @property
-    def poller(self) -> MPIFabric:
-        return self.fabric
+    def poller(self) -> MPIFabric | None:
+        return self.fabric if self.fabric.spins else None
 
     def close(self) -> None:
         pass
