@@ -102,12 +102,14 @@ def find_mpiexec(no_mpi: bool = False) -> tuple[str | None, str | None]:
     return mpiexec, None
 
 
-def run_mpiexec(cmd: list[str], timeout: float) -> dict[str, Any]:
-    """Run `cmd` (an mpiexec command line); the last JSON line it printed, or
-    {"error": why, "command": cmd}."""
+def run_mpiexec(cmd: list[str], timeout: float,
+                env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `cmd` (an mpiexec command line), with `env` added to the environment; the
+    last JSON line it printed, or {"error": why, "command": cmd}."""
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL, check=False)
+                              stdin=subprocess.DEVNULL, check=False,
+                              env=None if env is None else {**os.environ, **env})
     except subprocess.TimeoutExpired:
         return {"error": f"mpiexec did not finish within {timeout} s", "command": cmd}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]

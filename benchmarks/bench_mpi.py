@@ -3,6 +3,8 @@
     python benchmarks/bench_mpi.py              # full run: 2 and 4 processes, 4 B and 16 MiB
     python benchmarks/bench_mpi.py --quick      # 4 MiB and fewer iterations, a CI smoke test
     python benchmarks/bench_mpi.py --json -     # machine-readable results on stdout
+    python benchmarks/bench_mpi.py --procs "" --hosts 2x1,2x2 --net-rate 1gbit --net-delay 50us,1ms
+                                                # across simulated hosts (root, Linux)
 
 For each process count (`--procs`, default 2 and 4) the script runs itself under
 `mpiexec -n N ... --mpi-worker`. Every worker process measures, in the same processes:
@@ -23,6 +25,14 @@ every rank. Medians after warm-up iterations are reported. Half of the raw MPI
 iterations run before aaccl's world is opened and half after it is closed, so MPI is
 never timed while aaccl's progress thread polls, and slow drift hits both sides alike.
 
+`--hosts HxR,...` runs the same side by side across H simulated hosts of R ranks each
+(benchmarks/_netns.py: network namespaces on a bridge, MPICH's launcher reaching them
+through a wrapper in place of ssh, UCX on TCP between them), over links limited to
+`--net-rate` (tc tbf) with `--net-delay` added to every packet a host sends (tc netem,
+one run per delay; where the kernel has no netem the delay is left out and the output
+says so). The clock stays one machine's, so the timing is the same as above. The
+target's verdict is for one machine only: across hosts the ratios are information.
+
 Bandwidths follow nccl-tests: algorithm bandwidth = bytes / time; bus bandwidth =
 algorithm bandwidth * 2 (n - 1) / n for allreduce. The target: aaccl's bus bandwidth
 at 16 MiB (device-resident) at least 0.8x MPI's, checked for each process count.
@@ -41,6 +51,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import _netns
 import numpy as np
 from _common import (
     MiB,
@@ -201,17 +212,80 @@ def mpi_worker(counts: dict[str, int], iters: dict[str, int], warmup: int) -> No
 
 
 def run_procs(args: argparse.Namespace, procs: int, counts: dict[str, int],
-              iters: dict[str, int], warmup: int) -> dict[str, Any]:
-    """Launch this script under `mpiexec -n procs`; {"error": why} if that fails."""
+              iters: dict[str, int], warmup: int, cluster: Any = None) -> dict[str, Any]:
+    """Launch this script under `mpiexec -n procs` (on the simulated hosts of
+    `cluster`, a benchmarks/_netns.py Cluster, if given); {"error": why} if that fails."""
     mpiexec, why = find_mpiexec()
     if mpiexec is None:
         return {"error": why}
-    cmd = [mpiexec, "-n", str(procs), sys.executable, os.path.abspath(__file__),
+    hosts = ["-f", str(cluster.hostfile)] if cluster is not None else []
+    cmd = [mpiexec, *hosts, "-n", str(procs), sys.executable, os.path.abspath(__file__),
            "--mpi-worker", "--count", str(counts["large"]), "--iters", str(iters["large"]),
            "--small-iters", str(iters["small"]), "--warmup", str(warmup)]
-    result = run_mpiexec(cmd, args.mpi_timeout)
+    result = run_mpiexec(cmd, args.mpi_timeout, None if cluster is None else cluster.env)
     result["command"] = " ".join(cmd)
     return result
+
+
+def parse_layouts(text: str) -> list[tuple[int, int]]:
+    """"2x1,2x2" -> [(2, 1), (2, 2)]: simulated hosts x ranks per host."""
+    layouts = []
+    for word in filter(None, (w.strip() for w in text.split(","))):
+        hosts, _, slots = word.lower().partition("x")
+        if not (hosts.isdigit() and slots.isdigit() and int(hosts) >= 1 and int(slots) >= 1):
+            raise argparse.ArgumentTypeError(f"--hosts {word!r}: expected HOSTSxRANKS, e.g. 2x2")
+        layouts.append((int(hosts), int(slots)))
+    return layouts
+
+
+def run_hosts(args: argparse.Namespace, counts: dict[str, int], iters: dict[str, int],
+              warmup: int, log: Any) -> list[dict[str, Any]]:
+    """One run per layout and delay across simulated hosts (a delay the kernel cannot
+    add is left out, once, with the reason)."""
+    why = _netns.unavailable()
+    if why is not None:
+        return [{"procs": h * s, "hosts": f"{h}x{s}", "error": f"no simulated hosts: {why}"}
+                for h, s in args.hosts]
+    runs = []
+    for hosts, slots in args.hosts:
+        for delay in args.net_delay or [None]:
+            network = _netns.Network(rate=args.net_rate or None, delay=delay)
+            with _netns.Cluster(hosts, slots, network) as cluster:
+                if delay is not None and cluster.notes:  # no netem: all delays are one
+                    if any(r.get("hosts") == f"{hosts}x{slots}" and r.get("net_delay") is None
+                           for r in runs):
+                        continue
+                    delay = None
+                print(f"{cluster.describe()}: mpi4py and aaccl allreduce...", file=log,
+                      flush=True)
+                for note in cluster.notes:
+                    print(f"  note: {note}", file=log, flush=True)
+                run = run_procs(args, cluster.size, counts, iters, warmup, cluster)
+                run.update(procs=cluster.size, hosts=f"{hosts}x{slots}",
+                           net_rate=network.rate, net_delay=delay, notes=cluster.notes,
+                           env={k: v for k, v in cluster.env.items() if k.startswith("UCX")},
+                           link_bytes_sent={h: sent for h, (sent, _) in
+                                            cluster.traffic().items()})
+            runs.append(run)
+    return runs
+
+
+def net_rate(text: str) -> str:
+    if text:
+        try:
+            _netns.parse_rate(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def where(run: dict[str, Any]) -> str:
+    """Where a run's ranks were: "-" on this machine, else hosts x ranks and the links."""
+    if "hosts" not in run:
+        return "-"
+    link = ",".join(filter(None, [run.get("net_rate"), run.get("net_delay")
+                                  and f"+{run['net_delay']}"]))
+    return f"{run['hosts']}{' ' + link if link else ''}"
 
 
 # -- report --------------------------------------------------------------------------------
@@ -223,6 +297,7 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for run in results["runs"]:
         procs = run["procs"]
+        hosts = run.get("hosts") is not None
         for name in ("small", "large"):
             nbytes = cfg["bytes"][name]
             times = {side: run["results"][side][name]["median"]
@@ -233,10 +308,10 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
                 busbw = None if algbw is None else algbw * bus_factor(procs)
                 mpi_t = times.get("mpi")
                 ratio = mpi_t / t if side != "mpi" and t and mpi_t else None  # busbw ratio
-                binding = (side == "aaccl_device" and name == "large"
+                binding = (side == "aaccl_device" and name == "large" and not hosts
                            and cfg["size_mib"] == TARGET_SIZE_MIB)
                 judged = side == "aaccl_device" and name == "large"
-                rows.append({"procs": procs, "size": name, "bytes": nbytes, "side": side,
+                rows.append({"procs": procs, "where": where(run), "size": name, "bytes": nbytes, "side": side,
                              "time_s": t, "algbw_GBps": algbw, "busbw_GBps": busbw,
                              "busbw_vs_mpi": ratio, "judged": judged, "binding": binding,
                              "pass": None if not judged or ratio is None
@@ -256,22 +331,22 @@ def _fmt_bw(gbps: float | None) -> str:
 
 def print_table(results: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     cfg = results["config"]
-    head = (f"{'procs':<6}{'size':<9}{'side (median)':<24}{'latency':>10}{'algbw GB/s':>12}"
+    head = (f"{'procs':<6}{'hosts':<16}{'size':<9}{'side (median)':<24}{'latency':>10}{'algbw GB/s':>12}"
             f"{'busbw GB/s':>12}{'busbw vs MPI':>14}   {'target':<9}result")
     print(head)
     print("-" * len(head))
     last = None
     for row in rows:
-        if last is not None and (row["procs"], row["size"]) != last:
+        if last is not None and (row["procs"], row["where"], row["size"]) != last:
             print()
-        last = (row["procs"], row["size"])
+        last = (row["procs"], row["where"], row["size"])
         ratio = "" if row["side"] == "mpi" else \
             "n/a" if row["busbw_vs_mpi"] is None else f"{row['busbw_vs_mpi']:.2f}x"
         tail = ""
         if row["judged"]:
             tail = f"   {'>= ' + str(TARGET_RATIO) + 'x':<9}{verdict(row['pass'])}" \
                    f"{'' if row['binding'] else ' (info)'}"
-        print(f"{row['procs']:<6}{_fmt_size(row['bytes']):<9}{LABELS[row['side']]:<24}"
+        print(f"{row['procs']:<6}{row['where']:<16}{_fmt_size(row['bytes']):<9}{LABELS[row['side']]:<24}"
               f"{fmt_time(row['time_s']):>10}{_fmt_bw(row['algbw_GBps']):>12}"
               f"{_fmt_bw(row['busbw_GBps']):>12}{ratio:>14}{tail}".rstrip())
     print()
@@ -289,21 +364,30 @@ def print_table(results: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         print(f"warning: other processes kept {busy:.1f} CPUs busy when the run started and "
               f"{during:.1f} on average during it: the timings are noisy")
     for run in results["runs"]:
+        label = f"{run.get('procs', '?')} processes" + \
+            (f" on {where(run)}" if "hosts" in run else "")
         if "error" in run:
-            print(f"{run.get('procs', '?')} processes: n/a ({run['error']})")
+            print(f"{label}: n/a ({run['error']})")
             continue
         res = run["results"]
         late = res["mpi"]["large"]["from_last_start_median"] / \
             res["aaccl_device"]["large"]["from_last_start_median"]
-        print(f"{run['procs']} processes, timed from the latest rank's start instead (info): "
+        print(f"{label}, timed from the latest rank's start instead (info): "
               f"{cfg['size_mib']:g} MiB device-buffer busbw vs MPI {late:.2f}x")
         skew = ", ".join(f"{side.replace('aaccl_', 'aaccl ')} "
                          f"{fmt_time(run['results'][side]['large']['start_skew_median'])}"
                          for side in SIDES)
-        print(f"{run['procs']} processes: {' '.join(run['library'].split())}, MPI env vars: "
-              f"{' '.join(f'{k}={v}' for k, v in results['env'].items()) or 'none'}; results "
+        env = {**results["env"], **run.get("env", {})}
+        print(f"{label}: {' '.join(run['library'].split())}, MPI env vars: "
+              f"{' '.join(f'{k}={v}' for k, v in env.items()) or 'none'}; results "
               f"{'correct' if run['correct'] else 'WRONG'}; barrier exit skew at "
               f"{cfg['size_mib']:g} MiB (median, part of the times): {skew}")
+        if "hosts" in run:
+            sent = run.get("link_bytes_sent", {})
+            print(f"{label}: bytes each host sent over its link (MPI's traffic between "
+                  f"hosts): {', '.join(f'{b / MiB:.0f} MiB' for b in sent.values())}")
+            for note in run.get("notes", []):
+                print(f"{label}: note: {note}")
     if cfg["cpus"] and any(run.get("procs", 0) > cfg["cpus"] for run in results["runs"]):
         print(f"note: more processes than the {cfg['cpus']} CPUs: MPICH busy-polls and aaccl "
               "adds a progress thread per process, so both sides are oversubscribed")
@@ -321,6 +405,15 @@ def main() -> int:
     parser.add_argument("--small-iters", type=int, default=None,
                         help="timed iterations at 4 B (default 300, --quick: 50)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations of each")
+    parser.add_argument("--hosts", type=parse_layouts, default=[],
+                        help="simulated host layouts, HOSTSxRANKS,... e.g. 2x1,2x2 "
+                             "(Linux network namespaces: root; see benchmarks/_netns.py)")
+    parser.add_argument("--net-rate", default="1gbit", type=net_rate,
+                        help="rate limit of each simulated host's link (tc units, default "
+                             "1gbit; '' for none)")
+    parser.add_argument("--net-delay", type=lambda t: [d for d in t.split(",") if d],
+                        default=[], help="delays added to every packet a simulated host "
+                                         "sends, one run each, e.g. 50us,1ms (needs netem)")
     add_run_options(parser)
     args = parser.parse_args()
 
@@ -340,7 +433,9 @@ def main() -> int:
               "bytes": {name: 4 * c for name, c in counts.items()}, "iters": iters,
               "warmup": warmup, "procs": procs, "cpus": os.cpu_count(),
               "python": platform.python_version(), "numpy": np.__version__, "quick": quick,
-              "busy_cpus_at_start": busy_cpus()}
+              "busy_cpus_at_start": busy_cpus(),
+              "hosts": [f"{h}x{s}" for h, s in args.hosts], "net_rate": args.net_rate,
+              "net_delay": args.net_delay}
     mpiexec, why = find_mpiexec()
     if mpiexec is None:
         print(f"bench_mpi needs MPI: {why} (pip install mpi4py mpich)", file=sys.stderr)
@@ -354,6 +449,7 @@ def main() -> int:
         run = run_procs(args, n, counts, iters, warmup)
         run.setdefault("procs", n)
         runs.append(run)
+    runs += run_hosts(args, counts, iters, warmup, log) if args.hosts else []
     config["other_cpus_during_run"] = other.cpus()
     results: dict[str, Any] = {"config": config, "env": mpi_env(), "runs": runs,
                                "target": TARGET}
