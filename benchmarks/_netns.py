@@ -5,8 +5,8 @@ per host) and an address of its own; the launcher wrapper gives every process it
 starts there the host's name as hostname (a UTS namespace) and, as machines have, a
 /tmp of its own (a mount namespace with a fresh tmpfs: files the launching machine
 writes there are not on the other hosts). The rest of the file system is shared, as
-a cluster's shared home would be: the program and Python must be at the same path on
-every host, outside /tmp.
+a cluster's shared home would be, and so are the directories under /tmp that hold
+this Python, the working directory and PYTHONPATH (a clone checked out in /tmp).
 
 MPICH's launcher (hydra) reaches a host through that wrapper instead of ssh, with a
 hostfile naming the hosts, so it runs one proxy per host and MPICH takes every host
@@ -52,7 +52,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,13 +126,31 @@ def shaping_commands(dev: str, network: Network, netem: bool) -> list[list[str]]
     return []
 
 
-def wrapper_script(hosts: dict[str, str], private_tmp: bool = True) -> str:
+def shared_under_tmp() -> list[str]:
+    """The directories under /tmp every host must see, as a cluster's shared file
+    system would hold them: this Python's installation, the working directory and
+    PYTHONPATH (a clone checked out in /tmp, say)."""
+    paths = [sys.prefix, os.getcwd(), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    under = {os.path.realpath(p) for p in paths if p}
+    under = {p for p in under if p.startswith("/tmp/")}
+    return sorted(p for p in under if not any(p.startswith(q + "/") for q in under))
+
+
+def wrapper_script(hosts: dict[str, str], private_tmp: bool = True,
+                   shared: Sequence[str] = ()) -> str:
     """The stand-in for ssh that hydra runs as `WRAPPER [-x ...] HOST COMMAND...`: it
     runs COMMAND with a shell (as sshd would) in HOST's namespace, with HOST's
-    hostname and (`private_tmp`) a /tmp of the host's own. `hosts` maps each name
-    hydra may use (host name, address) to a namespace."""
+    hostname and (`private_tmp`) a /tmp of the host's own, in which the `shared`
+    directories are the launching machine's. `hosts` maps each name hydra may use
+    (host name, address) to a namespace."""
     mount = "--mount " if private_tmp else ""
-    tmp = "mount -t tmpfs -o mode=1777 tmpfs /tmp && " if private_tmp else ""
+    # the shared directories wait under /mnt while a fresh /tmp covers the old one
+    tmp = ('mount -t tmpfs tmpfs /mnt && i=0 && for p in "$@"; do i=$((i+1)); '
+           'mkdir /mnt/$i && mount --bind "$p" /mnt/$i || exit 255; done && '
+           'mount -t tmpfs -o mode=1777 tmpfs /tmp && i=0 && for p in "$@"; do i=$((i+1)); '
+           'mkdir -p "$p" && mount --move /mnt/$i "$p" || exit 255; done && '
+           if private_tmp else "")
+    keep = " ".join(shlex.quote(p) for p in shared) if private_tmp else ""
     cases = "\n".join(f"    {shlex.quote(name)}) ns={shlex.quote(ns)} ;;"
                       for name, ns in hosts.items())
     return f"""#!/bin/sh
@@ -147,7 +165,7 @@ case "$host" in
 {cases}
     *) echo "$0: no simulated host named $host" >&2; exit 255 ;;
 esac
-exec ip netns exec "$ns" unshare --uts {mount}sh -c '{tmp}hostname "$0" && exec sh -c "$1"' "$ns" "$*"
+exec ip netns exec "$ns" unshare --uts {mount}sh -c 'cmd=$1; shift; {tmp}hostname "$0" && exec sh -c "$cmd"' "$ns" "$*" {keep}
 """
 
 
@@ -380,7 +398,8 @@ class Cluster:
         self.wrapper = self._dir / "ssh"
         self.wrapper.write_text(wrapper_script(
             {**{h.name: h.name for h in self.members},
-             **{h.address: h.name for h in self.members}}, self.private_tmp))
+             **{h.address: h.name for h in self.members}}, self.private_tmp,
+            shared_under_tmp()))
         self.wrapper.chmod(0o755)
         self.hostfile = self._dir / "hosts"
         self.hostfile.write_text(hostfile_text([h.name for h in self.members], self.slots))

@@ -150,7 +150,8 @@ def test_the_ssh_wrapper_runs_the_command_in_the_host_namespace(tmp_path: Path) 
     host's namespace and the command as one shell line, as sshd would (a fake `ip`
     prints what it got)."""
     wrapper = tmp_path / "ssh"
-    wrapper.write_text(netns.wrapper_script({"node1": "ns1", "10.0.0.2": "ns1"}))
+    wrapper.write_text(netns.wrapper_script({"node1": "ns1", "10.0.0.2": "ns1"},
+                                            shared=["/tmp/clone"]))
     wrapper.chmod(0o755)
     fake = tmp_path / "bin"
     fake.mkdir()
@@ -166,10 +167,21 @@ def test_the_ssh_wrapper_runs_the_command_in_the_host_namespace(tmp_path: Path) 
         done = run("-x", host, '"/bin/proxy"', "--port", "a b")
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith("[netns][exec][ns1][unshare][--uts][--mount][sh][-c]"
-                                      "[mount -t tmpfs -o mode=1777 tmpfs /tmp && hostname")
-        assert done.stdout.endswith('[ns1]["/bin/proxy" --port a b]')
+                                      "[cmd=$1; shift; mount -t tmpfs tmpfs /mnt")
+        assert "mount -t tmpfs -o mode=1777 tmpfs /tmp" in done.stdout
+        assert done.stdout.endswith('[ns1]["/bin/proxy" --port a b][/tmp/clone]')
     unknown = run("-x", "node9", "true")
     assert unknown.returncode == 255 and "no simulated host named node9" in unknown.stderr
+
+
+def test_what_lies_under_tmp_and_every_host_must_see_is_kept(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clone in /tmp (its venv, the working directory) stays visible on every host,
+    whose /tmp is otherwise its own; nested paths are kept once, via their parent."""
+    monkeypatch.setattr(sys, "prefix", "/tmp/clone/.venv")
+    monkeypatch.chdir("/")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/tmp/clone", "/opt/lib", "/tmp/other"]))
+    assert netns.shared_under_tmp() == ["/tmp/clone", "/tmp/other"]
 
 
 # -- simulated hosts --------------------------------------------------------------------------
