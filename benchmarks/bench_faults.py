@@ -32,11 +32,12 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from _procs import LiveJob, alive, descendants, kill, with_marker
 
 MARK = "aaccl-fault"
 MiB = 1 << 20
@@ -95,70 +96,13 @@ def job_command(launcher: str, procs: int, size_mib: float, timeout: float,
             sys.executable, *program]
 
 
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie has exited: its parent just has not reaped it yet)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
-def with_marker(marker: str) -> set[int]:
-    """Processes whose command line holds `marker` (every rank and mpiexec of one job)."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                if marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    found.add(int(entry))
-            except OSError:
-                continue
-    return found
-
-
 def trial(launcher: str, procs: int, size_mib: float, timeout: float, grace: float,
           sig: str, rng: random.Random, env: dict[str, str]) -> dict[str, Any]:
     marker = uuid.uuid4().hex
     cmd = job_command(launcher, procs, size_mib, timeout, marker)
-    lines: list[tuple[float, str]] = []
-    err: list[str] = []
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "OPENBLAS_NUM_THREADS": "1",
-                                 "OMP_NUM_THREADS": "1", **env})
-
-    def read_out() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append((time.monotonic(), line.rstrip("\n")))
-
-    def read_err() -> None:
-        assert proc.stderr is not None
-        err.extend(proc.stderr)
-
-    readers = [threading.Thread(target=read_out, daemon=True),
-               threading.Thread(target=read_err, daemon=True)]
-    for reader in readers:
-        reader.start()
+    job_run = LiveJob(cmd, {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
+                            **env})
+    proc, lines = job_run.proc, job_run.lines
     result: dict[str, Any] = {"signal": sig, "launcher": launcher, "procs": procs}
 
     def ready() -> dict[int, int]:
@@ -177,7 +121,7 @@ def trial(launcher: str, procs: int, size_mib: float, timeout: float, grace: flo
         _kill(proc.pid, marker, set())
         proc.wait()
         result["error"] = f"only ranks {sorted(pids)} started (exit {proc.returncode}): " \
-                          + "".join(err)[-500:]
+                          + job_run.stderr[-500:]
         return result
     time.sleep(rng.uniform(0, 0.5))
     job = descendants(proc.pid) | {proc.pid}
@@ -198,8 +142,7 @@ def trial(launcher: str, procs: int, size_mib: float, timeout: float, grace: flo
     job |= set(pids.values())
     leftovers = sorted(p for p in job | with_marker(marker) if p != proc.pid and alive(p))
     _kill(proc.pid, marker, job)
-    for reader in readers:
-        reader.join(5)
+    job_run.join(5)
     reports = {}
     for when, line in lines:
         if line.startswith(f"{MARK}-error "):
@@ -213,16 +156,12 @@ def trial(launcher: str, procs: int, size_mib: float, timeout: float, grace: flo
         first_report_s=min((r[0] for r in reports.values()), default=None),
         last_report_s=max((r[0] for r in reports.values()), default=None),
         errors={rank: text[:200] for rank, (_, text) in sorted(reports.items())},
-        leftovers=leftovers, stderr_tail="".join(err)[-4000:])
+        leftovers=leftovers, stderr_tail=job_run.stderr[-4000:])
     return result
 
 
 def _kill(pid: int, marker: str, known: set[int]) -> None:
-    for victim in {pid} | known | descendants(pid) | with_marker(marker):
-        try:
-            os.kill(victim, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    kill({pid} | known | descendants(pid) | with_marker(marker))
 
 
 # -- report -------------------------------------------------------------------------------

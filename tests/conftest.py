@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
 import anyio
 import numpy as np
 import pytest
@@ -9,6 +14,20 @@ import pytest
 import aaccl
 
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
+
+
+def benchmark_module(name: str) -> ModuleType:
+    """benchmarks/NAME.py, for tests that share its code with a benchmark (loaded
+    once: the benchmarks folder is no package)."""
+    key = f"aaccl_benchmarks{name}"
+    if key not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(key, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[key]
 
 
 @pytest.fixture(params=["asyncio", "trio"])

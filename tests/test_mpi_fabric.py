@@ -27,7 +27,9 @@ from pathlib import Path
 import pytest
 
 import aaccl
+from conftest import benchmark_module
 
+procs = benchmark_module("_procs")
 pytest.importorskip("mpi4py")  # the package only: MPI itself starts in the workers
 
 WORKERS = Path(__file__).resolve().parent / "mpi"
@@ -88,33 +90,10 @@ class Job:
             self.stdout)}
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (hydra puts ranks in sessions of their own, so a
-    process group does not reach them)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def _kill_tree(pid: int) -> None:
-    victims = _descendants(pid) if os.path.isdir("/proc") else []
-    for victim in [pid, *victims]:
-        try:
-            os.kill(victim, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    """Kill a job: its launcher, every process below (hydra puts ranks in sessions of
+    their own, so a process group does not reach them) and its session."""
+    procs.kill({pid} | (procs.descendants(pid) if os.path.isdir("/proc") else set()))
     try:
         os.killpg(pid, signal.SIGKILL)  # mpiexec leads a session of its own
     except (ProcessLookupError, PermissionError):

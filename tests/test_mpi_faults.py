@@ -23,7 +23,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -31,7 +30,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import benchmark_module
+
 pytest.importorskip("mpi4py")  # the package only: MPI itself starts in the jobs
+
+procs = benchmark_module("_procs")  # the fault benchmark watches its jobs alike
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 5.0  # aaccl's timeout in the jobs
@@ -82,60 +85,6 @@ MPIEXEC = _mpiexec()
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install 'aaccl[mpi]')")
 
 
-# -- processes ------------------------------------------------------------------------------
-
-def _children() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    return children
-
-
-def _descendants(pid: int) -> set[int]:
-    children, found, todo = _children(), set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def _with_marker(marker: str) -> set[int]:
-    """Processes whose command line holds `marker`: every rank (and its supervisor) of
-    one job, and mpiexec."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    found.add(int(entry))
-            except OSError:
-                continue
-    return found
-
-
-def _alive(pid: int) -> bool:
-    """Running: not gone, not a zombie (which has exited, unreaped)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
-def _kill(pids: set[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
 # -- one trial ------------------------------------------------------------------------------
 
 @dataclass
@@ -178,25 +127,8 @@ def run_trial(worker: Path, launcher: str, nprocs: int, sig: str,
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OPENBLAS_NUM_THREADS": "1",
            "OMP_NUM_THREADS": "1"}
     trial = Trial(launcher, nprocs, sig)
-    lines: list[tuple[float, str]] = []
-    errors: list[str] = []
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                            start_new_session=True)
-
-    def read_out() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append((time.monotonic(), line.rstrip("\n")))
-
-    def read_err() -> None:
-        assert proc.stderr is not None
-        errors.extend(proc.stderr)
-
-    readers = [threading.Thread(target=read_out, daemon=True),
-               threading.Thread(target=read_err, daemon=True)]
-    for reader in readers:
-        reader.start()
+    live = procs.LiveJob(cmd, env, ROOT)
+    proc, lines = live.proc, live.lines
     job: set[int] = set()
     try:
         deadline = time.monotonic() + 90
@@ -205,11 +137,11 @@ def run_trial(worker: Path, launcher: str, nprocs: int, sig: str,
             trial.pids = {int(rank): int(pid) for _, line in list(lines)
                           for rank, pid in re.findall(rf"{MARK}-ready rank=(\d+) pid=(\d+)", line)}
         if len(trial.pids) < nprocs:
-            trial.stdout, trial.stderr = "\n".join(text for _, text in lines), "".join(errors)
+            trial.stdout, trial.stderr = live.stdout, live.stderr
             pytest.fail(f"the job did not start: only ranks {sorted(trial.pids)} got going"
                         f"{trial.explain()}")
         time.sleep(rng.uniform(0, 0.5))  # somewhere inside an allreduce
-        job = _descendants(proc.pid) | {proc.pid}
+        job = procs.descendants(proc.pid) | {proc.pid}
         trial.victim = rng.randrange(nprocs)
         killed = time.monotonic()
         os.kill(trial.pids[trial.victim], getattr(signal, f"SIG{sig}"))
@@ -218,15 +150,14 @@ def run_trial(worker: Path, launcher: str, nprocs: int, sig: str,
         except subprocess.TimeoutExpired:
             trial.hung = True
         trial.exit_after = time.monotonic() - killed
-        job |= set(trial.pids.values()) | _with_marker(marker)
-        trial.leftovers = sorted(pid for pid in job if pid != proc.pid and _alive(pid))
+        job |= set(trial.pids.values()) | procs.with_marker(marker)
+        trial.leftovers = sorted(pid for pid in job if pid != proc.pid and procs.alive(pid))
     finally:
-        _kill(job | _descendants(proc.pid) | _with_marker(marker) | {proc.pid})
+        procs.kill(job | procs.descendants(proc.pid) | procs.with_marker(marker) | {proc.pid})
         proc.wait()
-        for reader in readers:
-            reader.join(10)
+        live.join(10)
     trial.returncode = proc.returncode
-    trial.stdout, trial.stderr = "\n".join(text for _, text in lines), "".join(errors)
+    trial.stdout, trial.stderr = live.stdout, live.stderr
     for when, line in lines:
         found = re.match(rf"{MARK}-error rank=(\d+) (.*)", line)
         if found and int(found[1]) != trial.victim:

@@ -13,7 +13,6 @@ Needs root, iproute2 and MPICH's mpiexec; skipped elsewhere, saying which is mis
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import benchmark_module
 from test_mpi_fabric import (
     MPIEXEC,
     ROOT,
@@ -39,18 +39,7 @@ from test_mpi_fabric import (
 pytest.importorskip("mpi4py")
 
 
-def _load_netns() -> Any:
-    """benchmarks/_netns.py, the one implementation the benchmark uses too."""
-    spec = importlib.util.spec_from_file_location("aaccl_benchmarks_netns",
-                                                  ROOT / "benchmarks" / "_netns.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-netns = _load_netns()
+netns = benchmark_module("_netns")
 LIMIT = 90.0  # seconds a job may take before its processes are killed
 RATE = "1gbit"
 
