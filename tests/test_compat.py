@@ -470,6 +470,15 @@ def allreduce_works(group: list[accl]) -> None:
         np.testing.assert_array_equal(buf, n * (n + 1) // 2)
 
 
+def rank_1_completes(a0: accl) -> None:
+    """accl(2, 1) joins `a0`'s world, and the two allreduce correctly."""
+    a1 = accl(2, 1, sim_mode=True)
+    try:
+        allreduce_works([a0, a1])
+    finally:
+        a1.deinit()
+
+
 BAD_CONSTRUCTORS = [
     (dict(bufsize=7), ValueError, "bufsize must be a multiple of 8 bytes, got 7"),
     (dict(bufsize=0), ValueError, "bufsize must be a positive integer, got 0"),
@@ -513,11 +522,7 @@ def test_a_rejected_constructor_takes_no_place_in_a_world(world: Any, bad: dict[
     try:
         with pytest.raises(kind, match=message):
             accl(**{"nranks": 2, "local_rank": 1, "sim_mode": True, **bad})
-        a1 = accl(2, 1, sim_mode=True)
-        try:
-            allreduce_works([a0, a1])
-        finally:
-            a1.deinit()
+        rank_1_completes(a0)
     finally:
         a0.deinit()
     allreduce_works(world(2))
@@ -539,11 +544,7 @@ def test_a_constructor_whose_device_fails_takes_no_place(world: Any,
         monkeypatch.setattr(Driver, "configure", fails_once)
         with pytest.raises(RuntimeError, match="the device broke"):
             accl(2, 1, sim_mode=True)
-        a1 = accl(2, 1, sim_mode=True)
-        try:
-            allreduce_works([a0, a1])
-        finally:
-            a1.deinit()
+        rank_1_completes(a0)
     finally:
         a0.deinit()
 
