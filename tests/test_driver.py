@@ -12,6 +12,7 @@ import aaccl
 from aaccl import _exchmem as xm
 from aaccl._constants import CompressionFlags, ReduceFunction, Scenario
 from aaccl.devices import CallArgs
+from aaccl.driver import Driver
 
 F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 I32, I64 = np.dtype(np.int32), np.dtype(np.int64)
@@ -253,6 +254,36 @@ async def test_retcode_register() -> None:
         assert words(accl, 0x1FFC, 1) == [int(aaccl.ErrorCode.KRNL_TIMEOUT_STS_ERROR)]
         await accl.copy(src, dst, 4)
         assert words(accl, 0x1FFC, 1) == [0]
+
+
+ONE_RANK = [xm.RankRecord(ip=0, port=0, session=0, max_segment_size=1024)]
+
+
+class _Clock:
+    """Just enough of a device for the driver's timeout check: its timer's rate."""
+
+    def __init__(self, timer_hz: int, host_enforced: bool) -> None:
+        self.timer_hz = timer_hz
+        if host_enforced:
+            self.set_call_timeout = lambda seconds: None
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), True, "10", None])
+def test_a_timeout_that_is_no_positive_number_is_refused(timeout: Any) -> None:
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        Driver(_Clock(1_000_000, True), 0, ONE_RANK, timeout=timeout)  # type: ignore[arg-type]
+
+
+def test_a_timeout_beyond_the_register_needs_a_device_that_enforces_it() -> None:
+    """2**32 - 1 ticks: 4295 s at the soft CCLO's 1 MHz, 17.2 s at a card's 250 MHz.
+    A device that fails calls on the host (`set_call_timeout`) holds any timeout;
+    one that goes by the register is refused what it cannot hold, before configuring."""
+    card = 250_000_000
+    assert Driver(_Clock(card, True), 0, ONE_RANK, timeout=30).timeout == 30.0  # type: ignore[arg-type]
+    assert Driver(_Clock(card, False), 0, ONE_RANK, timeout=17).timeout == 17.0  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"timeout=30 s is more than _Clock can hold: .* 17\.1"):
+        Driver(_Clock(card, False), 0, ONE_RANK, timeout=30)  # type: ignore[arg-type]
+    assert Driver(_Clock(1_000_000, False), 0, ONE_RANK, timeout=4000).timeout == 4000
 
 
 # -- the records on their own ---------------------------------------------------------------

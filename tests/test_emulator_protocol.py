@@ -37,7 +37,7 @@ from aaccl import _exchmem as xm
 from aaccl import CCLOError, DependencyError, DeviceError, DeviceStuck, ErrorCode
 from aaccl._constants import TAG_ANY, ConfigFunction, Scenario
 from aaccl.devices import CallArgs, DeviceCall
-from aaccl.devices import _emulator
+from aaccl.devices import _emulator, _serial
 from aaccl.devices._emulator import EmulatorDevice, available
 from aaccl.driver import Driver
 
@@ -670,6 +670,24 @@ def test_call_that_never_completes_times_out_then_the_device_is_stuck(
     finish(after)
     assert after.error is None and after.retcode == 0
     assert fake.started_tags()[-3:] == [7, 10, 11]
+
+
+def test_a_timeout_longer_than_the_register_holds_is_enforced_in_full(
+        fake: FakeEmulator, device: EmulatorDevice, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SET_TIMEOUT's 32-bit register saturates (near 17 s at 250 MHz; here, with a
+    faster clock, at 0.2 s): the host still fails the call at the timeout asked for."""
+    monkeypatch.setattr(_serial, "TIMEOUT_GRACE", 0.0)
+    monkeypatch.setattr(EmulatorDevice, "timer_hz", int(0xFFFFFFFF / 0.2))
+    driver = configured(device, timeout=0.6)
+    assert [c.request["count"] for c in fake.started()
+            if c.request["function"] == ConfigFunction.SET_TIMEOUT] == [0xFFFFFFFF]
+    fake.hold(7)
+    started = time.monotonic()
+    stuck = driver.start(Scenario.NOP, tag=7)
+    finish(stuck, timeout=10)
+    assert time.monotonic() - started >= 0.6  # not the register's 0.2 s
+    assert stuck.retcode == ErrorCode.RECEIVE_TIMEOUT_ERROR
+    fake.release(7)
 
 
 def test_server_that_stops_answering_fails_requests_within_reply_timeout(

@@ -260,6 +260,23 @@ def test_a_call_that_never_ends_times_out_and_the_next_gets_its_own_timeout(
     assert not done(driver.start(Scenario.NOP)).failed
 
 
+def test_a_timeout_longer_than_the_register_holds_is_enforced_in_full(
+        fake: Fake, devices: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SET_TIMEOUT saturates at 2**32 - 1 ticks (here, with a faster clock, 0.1 s):
+    the host's limit is still the timeout the driver was given."""
+    device = devices()
+    monkeypatch.setattr(device, "timer_hz", int(0xFFFFFFFF / 0.1))
+    driver = driver_on(device, size=2, timeout=0.4)
+    driver.configure()
+    assert CallArgs(*fake.runs(Scenario.CONFIG)[1].args).count == 0xFFFFFFFF
+    gate = fake.hold(Scenario.RECV)
+    began = time.monotonic()
+    recv = driver.start(Scenario.RECV, count=4, root_src_dst=1, dtype=F32)
+    assert done(recv).retcode == ErrorCode.RECEIVE_TIMEOUT_ERROR
+    assert time.monotonic() - began >= 0.4  # not the register's 0.1 s
+    gate.set()
+
+
 def test_starts_and_collection_never_meet_inside_pynq(fake: Fake, devices: Any) -> None:
     """PYNQ keeps a card's runs in one unguarded list: the fake counts any overlap
     (checked after every test); here two CCLOs of one card and four threads push."""

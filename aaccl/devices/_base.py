@@ -121,6 +121,10 @@ class Device(Protocol):
 
     `start` submits a call that runs once every call in `waitfor` succeeded; if one
     failed, the new call completes with `aborted=True` and never runs.
+
+    A device that enforces the call timeout on the host (ACCL's firmware never acts
+    on SET_TIMEOUT) also has `set_call_timeout(seconds)`: the driver passes the
+    timeout it was asked for, which the 32-bit register may not hold.
     """
 
     timer_hz: int  # units of the SET_TIMEOUT config value per second

@@ -166,6 +166,11 @@ class PynqDevice:
 
     # -- calls ----------------------------------------------------------------------------
 
+    def set_call_timeout(self, seconds: float) -> None:
+        """Fail a CCLO call that leads the card's queue for longer than `seconds`: the
+        timeout the driver asks for, which SET_TIMEOUT's register caps near 17 s."""
+        self._call_timeout = seconds
+
     def start(self, args: CallArgs, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
         if args.scenario == Scenario.CONFIG and args.function == ConfigFunction.SET_TIMEOUT:
             self._call_timeout = args.count / self.timer_hz

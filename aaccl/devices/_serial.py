@@ -6,10 +6,11 @@ calls on the host, start each when its dependencies succeeded (`start_after`) an
 the previous call finished, and read the return code before the next call starts —
 as ACCL's own SimDevice and XRTDevice do.
 
-ACCL's firmware keeps its receive timeout but never acts on it, so the timeout the
-driver configures (SET_TIMEOUT) is enforced here: the call fails with
-RECEIVE_TIMEOUT_ERROR, and until the device finishes it (if ever) later calls fail
-at once with `DeviceStuck`.
+ACCL's firmware keeps its receive timeout but never acts on it, so the timeout is
+enforced here: the call fails with RECEIVE_TIMEOUT_ERROR, and until the device
+finishes it (if ever) later calls fail at once with `DeviceStuck`. The timeout is
+the one the driver asks for in seconds (`set_call_timeout`), not what SET_TIMEOUT's
+32-bit register holds: that saturates near 17 s at 250 MHz.
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ class SerialDevice:
     def _finish(self, call: DeviceCall, state: Any) -> None:
         """Complete a call that ended: with the return code it left in RETCODE."""
         call.complete(retcode=self.mmio_read(xm.RETCODE))
+
+    def set_call_timeout(self, seconds: float) -> None:
+        """Fail a call that runs longer than `seconds` (plus TIMEOUT_GRACE), whatever
+        SET_TIMEOUT's register could hold."""
+        self._call_timeout = seconds
 
     # -- the queue ------------------------------------------------------------------------
 

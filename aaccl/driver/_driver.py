@@ -7,6 +7,7 @@ addresses and dtypes; validation and host<->device syncs belong to the API above
 
 from __future__ import annotations
 
+import math
 import numbers
 import threading
 import time
@@ -32,6 +33,8 @@ OperandDtypes = tuple[np.dtype | None, np.dtype | None, np.dtype | None]
 
 CONFIG_TIMEOUT = 60.0
 """Seconds the driver waits for one configuration call before giving up on the device."""
+MAX_TICKS = 0xFFFFFFFF
+"""The most timer ticks SET_TIMEOUT's 32-bit register holds."""
 
 
 def check_buffers(nbufs: Any, bufsize: Any, nranks: int | None = None,
@@ -62,6 +65,20 @@ def check_buffers(nbufs: Any, bufsize: Any, nranks: int | None = None,
                          f"beside a world of {nranks} ranks: at most {(room - world) // record}")
 
 
+def check_timeout(device: Device, seconds: Any) -> float:
+    """`seconds` if the device can hold it as a call's timeout, else ValueError (before
+    anything reaches the device). Devices that enforce the timeout on the host
+    (`set_call_timeout`) hold any; others only what SET_TIMEOUT's register does."""
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) \
+            or not 0 < seconds < math.inf:
+        raise ValueError(f"timeout must be a positive number of seconds, got {seconds!r}")
+    limit = MAX_TICKS / device.timer_hz
+    if not hasattr(device, "set_call_timeout") and seconds > limit:
+        raise ValueError(f"timeout={seconds:g} s is more than {type(device).__name__} can "
+                         f"hold: its timer register counts at most {limit:g} s")
+    return float(seconds)
+
+
 class Driver:
     """Configures one CCLO and submits its calls."""
 
@@ -73,7 +90,7 @@ class Driver:
         self.device = device
         self.arith_configs = dict(xm.DEFAULT_ARITH_CONFIGS if arith_configs is None
                                   else arith_configs)
-        self.nbufs, self.bufsize, self.timeout = nbufs, bufsize, timeout
+        self.nbufs, self.bufsize, self.timeout = nbufs, bufsize, check_timeout(device, timeout)
         self.max_eager_size = bufsize * max(1, nbufs // 4) if max_eager_size is None else max_eager_size
         self.max_rendezvous_size = max(bufsize * nbufs, self.max_eager_size + 1)
         self._world = xm.Communicator(local_rank, tuple(ranks))
@@ -104,6 +121,7 @@ class Driver:
         self._write_words(xm.GATHER_FLAT_TREE_MAX_FANIN, [2, 32 * 1024, 3, 4, min(self.max_rendezvous_size // 4, 32 * 1024)])
         self.device.mmio_write(xm.CFGRDY, 1)
         self._config_call(ConfigFunction.SET_TIMEOUT, self._timeout_ticks(self.timeout))
+        self._hold_timeout()
         self._config_call(ConfigFunction.SET_MAX_EAGER_MSG_SIZE, self.max_eager_size)
         self._config_call(ConfigFunction.SET_MAX_RENDEZVOUS_MSG_SIZE, self.max_rendezvous_size)
         self._config_call(ConfigFunction.ENABLE_PKT)
@@ -151,7 +169,16 @@ class Driver:
             self.device.mmio_write(offset + 4 * i, word)
 
     def _timeout_ticks(self, seconds: float) -> int:
-        return max(1, min(0xFFFFFFFF, round(seconds * self.device.timer_hz)))
+        """SET_TIMEOUT's value: timer ticks, saturated at what its 32-bit register holds
+        (about 17 s at a card's 250 MHz). The firmware stores it but never acts on it."""
+        return max(1, min(MAX_TICKS, round(seconds * self.device.timer_hz)))
+
+    def _hold_timeout(self) -> None:
+        """Make the device fail a call after `timeout` seconds, whatever the register
+        holds: devices that enforce the timeout on the host take it in seconds."""
+        set_call_timeout = getattr(self.device, "set_call_timeout", None)
+        if set_call_timeout is not None:
+            set_call_timeout(self.timeout)
 
     def _config_call(self, function: ConfigFunction, value: int = 0) -> None:
         call = self.device.start(CallArgs(Scenario.CONFIG, value, 0, 0, int(function), TAG_ANY,
