@@ -107,17 +107,13 @@ def tcp2(tmp_path: Path) -> Iterator[int]:
 EAGER_OPS = [op for op in OPS if op != "alltoall"]  # the firmware's alltoall needs rendezvous
 
 
-def firmware_can(op: str, count: int, root: int) -> bool:
-    """False for the one case where ACCL's firmware gives wrong data (see the xfail)."""
-    return not (op == "bcast" and root != 0 and count * 4 > OPTIONS["bufsize"])
-
-
 def test_every_collective_matches_numpy_and_the_soft_cclo(tcp2: int) -> None:
-    # 7 elements fit in one rx buffer; 300 float32 (1200 bytes) take two segments
-    cases = [(op, count, root, func) for op in EAGER_OPS for count in (7, 300)
+    # 7 elements fit in one rx buffer; 300 float32 (1200 bytes) take two segments; 0 is
+    # a nop for aaccl (the firmware would wait for a zero-byte receive forever); a bcast
+    # from rank 1 of 300 goes one rx buffer at a time (see the next test)
+    cases = [(op, count, root, func) for op in EAGER_OPS for count in (7, 300, 0)
              for root in ((0, 1) if op in ROOTED else (0,))
-             for func in ((SUM, MAX) if op in REDUCING else (None,))
-             if firmware_can(op, count, root)]
+             for func in ((SUM, MAX) if op in REDUCING else (None,))]
 
     async def main(accl: aaccl.ACCL) -> list:
         return [await check_op(accl, op, np.float32, count, root, func, seed=i)
@@ -154,14 +150,31 @@ def test_primitives(tcp2: int) -> None:
     assert_same(*run_both(main, 2, tcp2, "tcp"), "primitives")
 
 
-@pytest.mark.xfail(strict=True, reason="ACCL's firmware (723d8ec): a bcast from a root other "
-                   "than rank 0 that takes several rx buffers repeats its first segment on "
-                   "rank 0 (the root's zero-count move to itself resets the address increment)")
-def test_firmware_bcast_from_a_later_root_in_several_segments(tcp2: int) -> None:
-    async def main(accl: aaccl.ACCL) -> None:
-        await check_op(accl, "bcast", np.float32, 300, 1, None, seed=5)
+def test_bcast_from_the_last_rank_over_several_rx_buffers(tcp2: int) -> None:
+    """ACCL's firmware (723d8ec) gets this one wrong: the root sends each segment to
+    ranks 0..size-1 in turn with a zero-element move for itself, and the next segment's
+    MOVE_INCREMENT adds the length of the move before, which from the last rank is that
+    zero-length one, so every segment repeats the first. aaccl sends one bcast per rx
+    buffer instead (aaccl/driver/_firmware.py)."""
+    async def main(accl: aaccl.ACCL) -> list:
+        return [await check_op(accl, "bcast", np.float32, count, 1, None, seed=5)
+                for count in (300, 1000)]
 
-    aaccl.run(main, 2, device="emulator", emulator_port=tcp2, **OPTIONS)
+    assert_same(*run_both(main, 2, tcp2, "tcp"), "bcast from the last rank")
+
+
+def test_allreduce_counts_whose_ring_leaves_a_chunk_empty(tcp2: int) -> None:
+    """1 element on 2 ranks (and 257 float32, a full 1 KiB segment and 1 more) hang
+    ACCL's eager ring allreduce (a zero-byte chunk the DMA mover never retires); aaccl
+    runs them as an allreduce of the full segments, a reduce and a bcast."""
+    cases = [(count, func, dtype) for count in (1, 257, 2, 256) for func in (SUM, MAX)
+             for dtype in (np.float32, np.int64)]
+
+    async def main(accl: aaccl.ACCL) -> list:
+        return [await check_op(accl, "allreduce", dtype, count, 0, func, seed=i)
+                for i, (count, func, dtype) in enumerate(cases)]
+
+    assert_same(*run_both(main, 2, tcp2, "tcp"), "small allreduces")
 
 
 def test_rendezvous_only_calls_are_refused_clearly(tcp2: int) -> None:
@@ -252,12 +265,15 @@ def test_udp_stack(tmp_path: Path) -> None:
 
 
 def test_three_ranks(tmp_path: Path) -> None:
-    cases = [(op, root, SUM if op in REDUCING else None) for op in EAGER_OPS
+    cases = [(op, root, SUM if op in REDUCING else None, 11) for op in EAGER_OPS
              for root in ((0, 2) if op in ROOTED else (0,))]
+    # counts whose last ring segment leaves a chunk empty on 3 ranks (1, 2, 4, and one
+    # int32 past 255, the full segment), and a bcast from the last rank in 2 segments
+    cases += [("allreduce", 0, SUM, n) for n in (1, 2, 4, 256)] + [("bcast", 2, None, 300)]
 
     async def main(accl: aaccl.ACCL) -> list:
-        return [await check_op(accl, op, np.int32, 11, root, func, seed=i)
-                for i, (op, root, func) in enumerate(cases)]
+        return [await check_op(accl, op, np.int32, count, root, func, seed=i)
+                for i, (op, root, func, count) in enumerate(cases)]
 
     with emulator(3, "tcp", tmp_path) as port:
         assert_same(*run_both(main, 3, port, "tcp"), "three ranks")

@@ -277,6 +277,25 @@ def test_a_timeout_longer_than_the_register_holds_is_enforced_in_full(
     gate.set()
 
 
+def test_a_call_the_firmware_gets_wrong_runs_as_steps_started_back_to_back(
+        fake: Fake, devices: Any) -> None:
+    """An allreduce whose ring would leave a chunk empty (1 element on 2 ranks) goes to
+    the card as a reduce and a bcast, started one after the other with the same
+    dependencies, so hostctrl runs them together; the call fails as its first failed
+    step."""
+    driver = driver_on(devices(), size=2, timeout=5.0, max_eager_size=1 << 30)
+    driver.configure()
+    before = len(fake.runs())
+    call = driver.start(Scenario.ALLREDUCE, count=1, dtype=F32, addrs=(0x1000, 0x2000, 0x2000))
+    assert not done(call).failed
+    assert [(r.scenario, CallArgs(*r.args).count) for r in fake.runs()[before:]] \
+        == [(Scenario.REDUCE, 1), (Scenario.BCAST, 1)]
+    fake.broken.add(Scenario.REDUCE)  # ERT reports the reduce's run failed
+    error = Driver.error(done(driver.start(Scenario.ALLREDUCE, count=1, dtype=F32,
+                                           addrs=(0x1000, 0x2000, 0x2000))), "allreduce")
+    assert isinstance(error, DeviceError) and "reduce" in str(error)
+
+
 def test_starts_and_collection_never_meet_inside_pynq(fake: Fake, devices: Any) -> None:
     """PYNQ keeps a card's runs in one unguarded list: the fake counts any overlap
     (checked after every test); here two CCLOs of one card and four threads push."""

@@ -97,6 +97,34 @@ class DeviceCall:
         _run_callbacks(self, callbacks)
 
 
+def joined(whole: CallArgs, calls: Sequence[DeviceCall]) -> DeviceCall:
+    """One device call, with `whole`'s arguments, for several that together do its
+    work: it completes once all of them have, failed as the first (in `calls`' order)
+    that failed."""
+    result = DeviceCall(whole)
+    left = [len(calls)]
+    lock = threading.Lock()
+
+    def one_done(_: DeviceCall) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        result.started = min((c.started for c in calls if c.started), default=0)
+        failed = next((c for c in calls if c.failed), None)
+        if failed is None:
+            result.complete()
+        else:
+            result.complete(retcode=failed.retcode, aborted=failed.aborted,
+                            error=failed.error, detail=failed.detail)
+
+    if not calls:
+        result.complete()
+    for call in calls:
+        call.add_done_callback(one_done)
+    return result
+
+
 _local = threading.local()
 
 
@@ -124,7 +152,11 @@ class Device(Protocol):
 
     A device that enforces the call timeout on the host (ACCL's firmware never acts
     on SET_TIMEOUT) also has `set_call_timeout(seconds)`: the driver passes the
-    timeout it was asked for, which the 32-bit register may not hold.
+    timeout it was asked for, which the 32-bit register may not hold. A device
+    that runs ACCL's firmware says so (`runs_accl_firmware = True`): the driver then
+    gives it equivalent calls for those the firmware gets wrong, through
+    `start_steps(whole, steps, waitfor)` where the device has it: one call that runs
+    `steps` back to back, with no other call between them.
     """
 
     timer_hz: int  # units of the SET_TIMEOUT config value per second

@@ -46,7 +46,7 @@ import numpy as np
 from .. import _exchmem as xm
 from .._constants import ConfigFunction, ErrorCode, Scenario
 from .._errors import DeviceError
-from ._base import CallArgs, DeviceCall
+from ._base import CallArgs, DeviceCall, joined
 from ._hostdeps import start_after
 from ._jobs import HostJobs, Job
 from ._poll import FIRST_SLEEP, LONGEST_SLEEP
@@ -79,6 +79,7 @@ class PynqDevice:
     """One CCLO of an Alveo card, driven through PYNQ."""
 
     timer_hz = 250_000_000  # the CCLO's clock, in which SET_TIMEOUT counts
+    runs_accl_firmware = True  # the driver steers clear of the firmware's known faults
 
     def __init__(self, xclbin: str | os.PathLike[str], *, device_index: int = 0,
                  cclo_index: int = 0, memory_bank: Any = None) -> None:
@@ -177,6 +178,14 @@ class PynqDevice:
         timeout = CONFIG_TIMEOUT if args.scenario == Scenario.CONFIG else self._call_timeout
         return self._start(DeviceCall(args), self._hostctrl, [int(a) for a in args], timeout,
                            waitfor)
+
+    def start_steps(self, whole: CallArgs, steps: Sequence[CallArgs],
+                    waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
+        """One call made of several: `steps` started back to back after the same
+        dependencies, so that hostctrl, which runs one run at a time in the order they
+        were started, runs them together and in order. It fails as its first failed
+        step (the card runs the later ones all the same)."""
+        return joined(whole, [self.start(step, waitfor) for step in steps])
 
     def overlay_kernel(self, name: str) -> Any:
         """The overlay's kernel `name` (as PYNQ names it: "vadd_1"), for `start_kernel`."""

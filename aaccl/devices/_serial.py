@@ -39,11 +39,12 @@ class SerialDevice:
     """The call queue and runner thread of a device that runs one call at a time.
 
     Subclasses start a call (`_launch`, returning a handle), wait for it (`_wait`,
-    its final state or None at the deadline), and say how to recover from a stuck
-    call (`stuck_remedy`).
+    its final state or None at the deadline), read how it went (`_outcome`), and say
+    how to recover from a stuck call (`stuck_remedy`).
     """
 
     timer_hz = 250_000_000  # the CCLO's clock, in which the firmware counts its timeout
+    runs_accl_firmware = True  # the driver steers clear of the firmware's known faults
     config_timeout = 30.0  # seconds a configuration call may take: it waits for no peer
     stuck_remedy = "reset the device"
 
@@ -54,6 +55,8 @@ class SerialDevice:
         self._closed = False
         self._closing = threading.Lock()  # no call is queued behind close's sentinel
         self._queue: queue.SimpleQueue[DeviceCall | None] = queue.SimpleQueue()
+        self._steps: dict[DeviceCall, tuple[CallArgs, ...]] = {}  # see start_steps
+        self._steps_lock = threading.Lock()
         self._runner = threading.Thread(target=self._run_calls, daemon=True, name=name)
         self._runner.start()
         self._jobs = HostJobs(f"{name}-jobs")
@@ -71,9 +74,10 @@ class SerialDevice:
         """The call's final state once it ended, or None at `deadline` (monotonic)."""
         raise NotImplementedError
 
-    def _finish(self, call: DeviceCall, state: Any) -> None:
-        """Complete a call that ended: with the return code it left in RETCODE."""
-        call.complete(retcode=self.mmio_read(xm.RETCODE))
+    def _outcome(self, state: Any) -> int | Exception:
+        """How a call that ended went: the return code it left in RETCODE, or why it
+        left none."""
+        return self.mmio_read(xm.RETCODE)
 
     def set_call_timeout(self, seconds: float) -> None:
         """Fail a call that runs longer than `seconds` (plus TIMEOUT_GRACE), whatever
@@ -86,6 +90,22 @@ class SerialDevice:
         if args.scenario == Scenario.CONFIG and args.function == ConfigFunction.SET_TIMEOUT:
             self._call_timeout = args.count / self.timer_hz
         return start_after(DeviceCall(args), waitfor, self._enqueue)
+
+    def start_steps(self, whole: CallArgs, steps: Sequence[CallArgs],
+                    waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
+        """One call made of several: `steps` run back to back in the queue place of one
+        call, so no other call comes between them (every rank's firmware must see
+        its collectives in the same order). It fails as its first failed step; the
+        steps after that one never run."""
+        call = DeviceCall(whole)
+        with self._steps_lock:
+            self._steps[call] = tuple(steps)
+        call.add_done_callback(self._forget_steps)
+        return start_after(call, waitfor, self._enqueue)
+
+    def _forget_steps(self, call: DeviceCall) -> None:
+        with self._steps_lock:
+            self._steps.pop(call, None)
 
     def run(self, job: Job, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
         """Host work runs beside the queue: only the CCLO takes one call at a time."""
@@ -116,20 +136,29 @@ class SerialDevice:
                 f"{time.monotonic() - self._stuck_since:.1f} s ago; its firmware cannot "
                 f"abandon a call, so {self.stuck_remedy}"))
             return
-        args = call.args
-        assert args is not None  # the queue holds CCLO calls only
+        assert call.args is not None  # the queue holds CCLO calls only
+        with self._steps_lock:
+            steps = self._steps.get(call, (call.args,))
         call.mark_started()
-        handle = self._launch(args)
-        limit = self.config_timeout if args.scenario == Scenario.CONFIG \
-            else self._call_timeout + TIMEOUT_GRACE
-        state = self._wait(handle, time.monotonic() + limit)
-        if state is not None:
-            self._finish(call, state)
-            return
-        log.warning("%r: call %s did not finish within the timeout; the device keeps running "
-                    "it", self, args.scenario)
-        self._stuck, self._stuck_since = handle, time.monotonic()
-        call.complete(retcode=int(ErrorCode.RECEIVE_TIMEOUT_ERROR))
+        for args in steps:
+            handle = self._launch(args)
+            limit = self.config_timeout if args.scenario == Scenario.CONFIG \
+                else self._call_timeout + TIMEOUT_GRACE
+            state = self._wait(handle, time.monotonic() + limit)
+            if state is None:
+                log.warning("%r: call %s did not finish within the timeout; the device keeps "
+                            "running it", self, args.scenario)
+                self._stuck, self._stuck_since = handle, time.monotonic()
+                call.complete(retcode=int(ErrorCode.RECEIVE_TIMEOUT_ERROR))
+                return
+            outcome = self._outcome(state)
+            if isinstance(outcome, Exception):
+                call.complete(error=outcome)
+                return
+            if outcome:
+                call.complete(retcode=outcome)
+                return
+        call.complete()
 
     def _unstuck(self) -> bool:
         """True once the device has finished the call that timed out."""

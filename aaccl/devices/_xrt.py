@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import DeviceError
-from ._base import CallArgs, DeviceCall
+from ._base import CallArgs
 from ._poll import poll
 from ._serial import SerialDevice
 
@@ -196,11 +196,10 @@ class XRTDevice(SerialDevice):
 
     # -- calls ------------------------------------------------------------------------
 
-    def _finish(self, call: DeviceCall, state: Any) -> None:
+    def _outcome(self, state: Any) -> int | Exception:
         if state != self._completed:
-            call.complete(error=DeviceError(f"hostctrl's run ended in state {state!r}"))
-        else:
-            super()._finish(call, state)
+            return DeviceError(f"hostctrl's run ended in state {state!r}")
+        return super()._outcome(state)
 
     def _launch(self, args: CallArgs) -> Any:
         """Start one hostctrl run with all 12 arguments set, as every call needs.

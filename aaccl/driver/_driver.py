@@ -27,6 +27,8 @@ from .._constants import (
 )
 from .._errors import Aborted, ACCLError, CCLOError, DependencyError, KernelError
 from ..devices import CallArgs, Device, DeviceCall
+from ..devices._base import joined
+from . import _firmware as firmware
 
 OperandDtypes = tuple[np.dtype | None, np.dtype | None, np.dtype | None]
 """Element types of a call's buffers (op0, op1, result); None for a buffer it lacks."""
@@ -77,6 +79,28 @@ def check_timeout(device: Device, seconds: Any) -> float:
         raise ValueError(f"timeout={seconds:g} s is more than {type(device).__name__} can "
                          f"hold: its timer register counts at most {limit:g} s")
     return float(seconds)
+
+
+def _itemsizes(operand_dtypes: OperandDtypes) -> tuple[int, int, int]:
+    """Element bytes of a call's three buffers; those it lacks as its first one's
+    (zeros for a call without buffers)."""
+    first = next((d for d in operand_dtypes if d is not None), None)
+    if first is None:
+        return 0, 0, 0
+    a, b, c = ((first if d is None else d).itemsize for d in operand_dtypes)
+    return a, b, c
+
+
+def in_sequence(device: Device, whole: CallArgs, steps: Sequence[CallArgs],
+                waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
+    """`steps` as one device call with `whole`'s arguments: each waits for the one
+    before (the first for `waitfor`), and the call fails as the first that failed.
+    For devices without `start_steps`, where calls match by sequence, not by their
+    order on the device (the soft CCLO)."""
+    calls: list[DeviceCall] = []
+    for step in steps:
+        calls.append(device.start(step, [calls[-1]] if calls else waitfor))
+    return joined(whole, calls)
 
 
 class Driver:
@@ -218,6 +242,10 @@ class Driver:
         instead: the element types of (op0, op1, result), None where the call has no
         such buffer. Two types select the arithmetic config (wider, narrower) and mark
         the buffers of the narrower type OP0/OP1/RES_COMPRESSED, as pyaccl does.
+
+        On ACCL's firmware (`device.runs_accl_firmware`), a call it would hang on or
+        get wrong runs as equivalent calls instead, one device call for them all
+        (`_firmware.substitute`); one nothing can stand in for raises ValueError.
         """
         if dtype is not None:
             if operand_dtypes is not None:
@@ -227,7 +255,17 @@ class Driver:
             else self._operand_compression(operand_dtypes, compress_dtype)
         args = CallArgs(int(scenario), count, self.communicators[comm_id][0], root_src_dst,
                         function, tag, arithcfg, int(flags), stream_flags, *addrs)
-        return self.device.start(args, waitfor)
+        if not getattr(self.device, "runs_accl_firmware", False):
+            return self.device.start(args, waitfor)
+        itemsizes = _itemsizes(operand_dtypes) if operand_dtypes is not None else (0, 0, 0)
+        steps = firmware.substitute(args, len(self.comm(comm_id).ranks), itemsizes,
+                                    firmware.Setup(self.bufsize, self.max_eager_size))
+        if steps is None:
+            return self.device.start(args, waitfor)
+        start_steps = getattr(self.device, "start_steps", None)
+        if start_steps is not None:  # in one place of the device's order
+            return start_steps(args, steps, waitfor)
+        return in_sequence(self.device, args, steps, waitfor)
 
     def _operand_compression(self, operand_dtypes: OperandDtypes,
                              compress_dtype: np.dtype | None) -> tuple[int, CompressionFlags]:

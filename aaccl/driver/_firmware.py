@@ -1,0 +1,160 @@
+"""Calls ACCL's firmware gets wrong as they are, and equivalent calls it gets right.
+
+Pure rules over a call's shape, read from Xilinx/ACCL at 723d8ec: the firmware
+(kernels/cclo/fw/sw_apps/ccl_offload_control/src/ccl_offload_control.c) and its DMA
+mover (kernels/cclo/hls/dma_mover/dma_mover.cpp). The driver applies them to calls
+bound for a firmware CCLO (ACCL's emulator, a card); the soft CCLO needs none.
+
+Where they bite, always on the eager path (the firmware takes it when the message
+is at most its eager threshold, or compressed, or streamed) and with two ranks or
+more:
+
+- **A receive of zero bytes never ends.** The DMA mover turns a MOVE_ON_RECV of zero
+  elements into no DMA command, yet its retire stage still waits for that command's
+  status: the call hangs. Every collective of `count == 0` that receives (scatter,
+  gather, reduce, allgather, reduce_scatter) makes one.
+- **The eager ring allreduce** cuts the data into segments of `S = bufsize //
+  itemsize` elements rounded down to a multiple of the ranks `P`, and each segment
+  of `E` elements into `P` chunks of `ceil(E / P)`, the last holding the rest,
+  `E - ceil(E / P) * (P - 1)` (unsigned). Every rank moves every chunk, so a rest of
+  zero is such a receive; a negative one wraps to about 4 GiB (and the chunk
+  before it reaches past the segment). Only the last segment can be short, so the
+  counts that hang are those whose last segment `E` leaves no rest: `E < P` always,
+  and some more below `P * (P - 1)` (on 2 ranks just `E == 1`; on 3, `E` in 1, 2, 4;
+  on 4, in 1, 2, 3, 5, 6, 9). With `S == 0` (fewer than `P` elements fit an rx
+  buffer) every segment is empty and the loop never ends.
+- **The eager bcast from the last rank** sends each segment to ranks 0..P-1 in turn,
+  with a move of zero elements for the root itself; the next segment's source
+  address is MOVE_INCREMENT, the address of the move before plus its length. For
+  root `P - 1` that move before is its own zero-length one, so every segment after
+  the first re-sends the first: wrong data, no error, whenever the message spans
+  more than one rx buffer (`count > bufsize // itemsize`).
+
+reduce_scatter and allgather move whole `count`-element chunks per rank (no such
+cutting), and a bcast from another root ends each segment's moves on a real one.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .._constants import CompressionFlags, Scenario, StreamFlags
+from ..devices import CallArgs
+
+RECEIVING = frozenset({Scenario.SCATTER, Scenario.GATHER, Scenario.REDUCE,
+                       Scenario.ALLGATHER, Scenario.REDUCE_SCATTER, Scenario.ALLTOALL,
+                       Scenario.ALLREDUCE, Scenario.BCAST})
+"""Collectives that nothing is left to do for when `count` is zero."""
+
+
+class Refused(ValueError):
+    """A call ACCL's firmware cannot run, and no equivalent calls can do for it."""
+
+
+class Setup(NamedTuple):
+    """What the driver configured that decides how the firmware runs a call."""
+
+    bufsize: int  # bytes per eager rx buffer (the firmware's eager_rx_buf_size)
+    max_eager_size: int  # bytes: larger uncompressed, unstreamed messages go rendezvous
+
+
+def ring_segment(bufsize: int, itemsize: int, size: int) -> int:
+    """Elements per segment of the eager ring allreduce: one rx buffer's worth,
+    rounded down to a multiple of the ranks."""
+    fit = bufsize // itemsize
+    return fit - fit % size
+
+
+def ring_rest(elements: int, size: int) -> int:
+    """Elements of the last of `size` chunks the ring allreduce cuts `elements` into
+    (zero or negative where the others take them all)."""
+    return elements - -(-elements // size) * (size - 1)
+
+
+def allreduce_split(count: int, size: int, segment: int) -> tuple[int, int]:
+    """(ring, rest): the firmware's eager ring allreduce runs the first `ring` elements
+    right; the last `rest` (its short last segment, when that would leave an empty or
+    negative chunk) must go another way. `segment` is `ring_segment(...)`."""
+    if size < 2 or count == 0:
+        return count, 0
+    if segment == 0:
+        return 0, count
+    last = count - segment * ((count - 1) // segment)
+    if ring_rest(last, size) >= 1:
+        return count, 0
+    return count - last, last
+
+
+def bcast_repeats(count: int, size: int, root: int, segment: int) -> bool:
+    """Whether an eager bcast would re-send its first segment: from the last rank,
+    over more than one segment (`segment`: elements per rx buffer)."""
+    return size >= 2 and root == size - 1 and count > segment
+
+
+def substitute(args: CallArgs, size: int, itemsizes: tuple[int, int, int],
+               setup: Setup) -> list[CallArgs] | None:
+    """Calls that do what `args` asks where ACCL's firmware would hang or give wrong
+    data on `args` itself, in the order to run them; None where it runs `args` right.
+
+    `size` is the communicator's, `itemsizes` the element bytes of the buffers at
+    addr_0, addr_1 and addr_2 (the first is the arithmetic's, uncompressed, unless
+    OP0_COMPRESSED). Raises `Refused` for what no such calls can do.
+    """
+    scenario = args.scenario
+    if scenario not in RECEIVING or size < 2:
+        return None
+    if args.count == 0:  # nothing to move: nothing to wait for either
+        return [args._replace(scenario=Scenario.NOP)]
+    if scenario not in (Scenario.ALLREDUCE, Scenario.BCAST):
+        return None
+    itemsize = max(itemsizes)  # the arithmetic config's uncompressed element
+    if not itemsize:
+        return None
+    if args.count * itemsize > setup.max_eager_size and not args.compression_flags \
+            and not args.stream_flags:
+        return None  # rendezvous: a reduce and a bcast, or a tree, no ring
+    if scenario == Scenario.BCAST:
+        segment = setup.bufsize // itemsize
+        if args.stream_flags & StreamFlags.OP0_STREAM \
+                or not bcast_repeats(args.count, size, args.root_src_dst, segment):
+            return None  # a streamed root sends one segment
+        return [_slice(args, start, min(segment, args.count - start), itemsizes)
+                for start in range(0, args.count, segment)]
+    segment = args.count if args.stream_flags & StreamFlags.OP0_STREAM \
+        else ring_segment(setup.bufsize, itemsize, size)
+    ring, rest = allreduce_split(args.count, size, segment)
+    if not rest:
+        return None
+    if args.stream_flags:
+        raise Refused(f"ACCL's firmware hangs on an allreduce of {args.count} elements on "
+                      f"{size} ranks (its ring leaves a chunk empty), and a streamed one "
+                      "cannot be split")
+    if ring == 0 and segment == 0:
+        raise Refused(f"ACCL's firmware cannot run an eager allreduce on {size} ranks with "
+                      f"{setup.bufsize}-byte rx buffers: its ring needs {size} elements of "
+                      f"{itemsize} bytes per rx buffer (bufsize >= {size * itemsize})")
+    return [*([args._replace(count=ring)] if ring else []), *_reduce_then_bcast(args, ring, rest,
+                                                                                 itemsizes)]
+
+
+def _slice(args: CallArgs, start: int, count: int, itemsizes: tuple[int, int, int]) -> CallArgs:
+    """`args` on elements [start, start + count) of each of its buffers."""
+    a0, a1, a2 = (address + start * item if address else 0
+                  for address, item in zip((args.addr_0, args.addr_1, args.addr_2), itemsizes))
+    return args._replace(count=count, addr_0=a0, addr_1=a1, addr_2=a2)
+
+
+def _reduce_then_bcast(args: CallArgs, start: int, count: int,
+                       itemsizes: tuple[int, int, int]) -> list[CallArgs]:
+    """An allreduce of elements [start, start + count) as a reduce to rank 0 and a
+    bcast of its result from there (the firmware's own plan for rendezvous), both
+    eager: chunks of `count` whole elements, a first root, no ring."""
+    part = _slice(args, start, count, itemsizes)
+    reduce = part._replace(scenario=Scenario.REDUCE, root_src_dst=0, addr_1=0)
+    flags = CompressionFlags(args.compression_flags)
+    wire = flags & CompressionFlags.ETH_COMPRESSED
+    if flags & CompressionFlags.RES_COMPRESSED:  # the bcast reads and writes the result
+        wire |= CompressionFlags.OP0_COMPRESSED | CompressionFlags.RES_COMPRESSED
+    bcast = part._replace(scenario=Scenario.BCAST, root_src_dst=0, function=0,
+                          compression_flags=int(wire), addr_0=part.addr_2, addr_1=0)
+    return [reduce, bcast]
