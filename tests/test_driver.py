@@ -128,14 +128,17 @@ async def test_fixed_registers() -> None:
 
 
 @pytest.mark.anyio
-async def test_configuration_calls_reach_the_device() -> None:
-    async with aaccl.open_world(2, nbufs=8, bufsize=512, timeout=1.5) as accls:
+@pytest.mark.parametrize("stack, eager", [("tcp", 1 << 30), ("udp", 1 << 30), ("rdma", 512),
+                                          (None, 1 << 30)])
+async def test_configuration_calls_reach_the_device(stack: str | None, eager: int) -> None:
+    """The stack's eager threshold: every message on TCP and UDP (the default), one rx
+    buffer on RDMA, as ACCL sets them."""
+    async with aaccl.open_world(2, nbufs=8, bufsize=512, timeout=1.5, stack=stack) as accls:
         for accl in accls:
             dev = accl._driver.device
             assert dev.timeout == pytest.approx(1.5)
-            assert dev.max_eager_size == accl._driver.max_eager_size
-            assert 0 < dev.max_eager_size <= 8 * 512
-            assert dev.max_rendezvous_size == 8 * 512
+            assert dev.max_eager_size == accl._driver.max_eager_size == eager
+            assert dev.max_rendezvous_size == max(8 * 512, eager + 1)
 
 
 @pytest.mark.anyio

@@ -251,8 +251,9 @@ async def test_recv_without_sender_times_out() -> None:
 async def test_collective_without_peer_times_out(collective: str, count: int) -> None:
     """Rank 0 never joins; the others fail with RECEIVE_TIMEOUT_ERROR after the
     timeout. Collectives match in order, so the ranks are back in step once rank 0
-    makes its (late) call; after that, everything works and no rx buffer leaks."""
-    async with aaccl.open_world(3, timeout=TIMEOUT) as accls:
+    makes its (late) call; after that, everything works and no rx buffer leaks. (On
+    the RDMA stack, where 3000 elements go rendezvous.)"""
+    async with aaccl.open_world(3, timeout=TIMEOUT, stack="rdma") as accls:
         srcs = [a.allocate(3 * count) for a in accls]
         dsts = [a.allocate(3 * count) for a in accls]
 
@@ -286,8 +287,9 @@ async def test_collective_without_peer_times_out(collective: str, count: int) ->
 @pytest.mark.parametrize("count", [4, 3000])  # eager, rendezvous
 async def test_root_alone_in_a_collective(count: int) -> None:
     """The root of a bcast whose peers never join: eager sends complete, rendezvous
-    sends fail with RECEIVE_TIMEOUT_ERROR once the timeout passes (and never hang)."""
-    async with aaccl.open_world(3, timeout=TIMEOUT) as accls:
+    sends fail with RECEIVE_TIMEOUT_ERROR once the timeout passes (and never hang).
+    (On the RDMA stack, where 3000 elements go rendezvous.)"""
+    async with aaccl.open_world(3, timeout=TIMEOUT, stack="rdma") as accls:
         buf = accls[0].allocate(count)
         start = time.monotonic()
         call = accls[0].bcast(buf, count, root=0)

@@ -20,9 +20,10 @@ from conftest import DTYPES, reference_inputs
 
 pytestmark = pytest.mark.anyio
 
-# Default world options: eager threshold = bufsize * max(1, nbufs // 4) bytes.
+# stack="tcp" (the default) makes every message eager; stack="rdma" sends messages up to
+# one rx buffer (BUFSIZE bytes) eager, larger ones rendezvous.
 NBUFS, BUFSIZE = 16, 256
-EAGER_BYTES = BUFSIZE * (NBUFS // 4)
+QUARTER = BUFSIZE * (NBUFS // 4)  # a message size: a quarter of the rx buffers
 
 
 def filled(accl: aaccl.ACCL, values: np.ndarray) -> aaccl.Buffer:
@@ -47,7 +48,7 @@ async def wait_until(predicate, timeout: float = 5.0) -> None:
 # -- data and dtypes ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("nbytes", [8, BUFSIZE * 3 - 8, EAGER_BYTES * 4],
+@pytest.mark.parametrize("nbytes", [8, BUFSIZE * 3 - 8, QUARTER * 4],
                          ids=["eager", "segmented", "rendezvous"])
 async def test_send_recv_every_dtype(dtype: type, nbytes: int) -> None:
     count = nbytes // np.dtype(dtype).itemsize
@@ -95,7 +96,7 @@ async def test_eager_send_completes_before_the_receive_is_posted() -> None:
 
 async def test_segmented_eager_send_completes_before_the_receive_is_posted() -> None:
     async with aaccl.open_world(2, nbufs=NBUFS, bufsize=BUFSIZE, timeout=1) as (a, b):
-        counts = [BUFSIZE // 8 + 1, EAGER_BYTES // 8, BUFSIZE // 8 * 3 - 1]  # 2..4 rx buffers
+        counts = [BUFSIZE // 8 + 1, QUARTER // 8, BUFSIZE // 8 * 3 - 1]  # 2..4 rx buffers
         for i, count in enumerate(counts):
             await a.send(filled(a, message(i, count, np.float64)), count, 1)
         for i, count in enumerate(counts):
@@ -104,7 +105,7 @@ async def test_segmented_eager_send_completes_before_the_receive_is_posted() -> 
             np.testing.assert_array_equal(dst, message(i, count, np.float64))
 
 
-@pytest.mark.parametrize("count", [BUFSIZE // 4 * 2 + 3, EAGER_BYTES, EAGER_BYTES * 8 + 1])
+@pytest.mark.parametrize("count", [BUFSIZE // 4 * 2 + 3, QUARTER, QUARTER * 8 + 1])
 async def test_large_messages_arrive_whole(count: int) -> None:
     """Larger than one rx buffer (segmented) and larger than the eager threshold."""
     async with aaccl.open_world(2, nbufs=NBUFS, bufsize=BUFSIZE, timeout=5) as (a, b):
@@ -117,8 +118,9 @@ async def test_large_messages_arrive_whole(count: int) -> None:
 
 
 async def test_rendezvous_send_completes_only_after_the_receive() -> None:
-    async with aaccl.open_world(2, nbufs=NBUFS, bufsize=BUFSIZE, timeout=5) as (a, b):
-        count = EAGER_BYTES // 4 + 1
+    async with aaccl.open_world(2, nbufs=NBUFS, bufsize=BUFSIZE, timeout=5,
+                                stack="rdma") as (a, b):
+        count = BUFSIZE // 4 + 1  # one element more than an rx buffer: rendezvous
         src, dst = filled(a, message(1, count)), b.allocate(count, np.float32)
         sent = a.send(src, count, 1)
         with anyio.move_on_after(0.1):
@@ -129,8 +131,49 @@ async def test_rendezvous_send_completes_only_after_the_receive() -> None:
         np.testing.assert_array_equal(dst, message(1, count))
 
 
+@pytest.mark.parametrize("stack", ["tcp", "udp"])
+async def test_an_eager_only_stack_sends_what_the_rx_buffers_hold_without_a_receive(
+        stack: str) -> None:
+    """As on ACCL's TCP and UDP stacks: "send 16 KiB, await it, then receive" works
+    with 16 rx buffers of 1 KiB (on RDMA it would wait for the receive, below)."""
+    async with aaccl.open_world(2, nbufs=16, bufsize=1024, timeout=1, stack=stack) as (a, b):
+        count = 16 * 1024 // 4
+        await a.send(filled(a, message(1, count)), count, 1)
+        dst = b.allocate(count, np.float32)
+        await b.recv(dst, count, 0)
+        np.testing.assert_array_equal(dst, message(1, count))
+
+
+async def test_on_rdma_the_same_send_waits_for_its_receive() -> None:
+    async with aaccl.open_world(2, nbufs=16, bufsize=1024, timeout=0.3, stack="rdma") as (a, b):
+        count = 16 * 1024 // 4
+        with pytest.raises(CCLOError) as failed:
+            await a.send(filled(a, message(1, count)), count, 1)
+        assert failed.value.code & ErrorCode.DEQUEUE_BUFFER_TIMEOUT_ERROR
+        sent = a.send(filled(a, message(2, count)), count, 1)
+        dst = b.allocate(count, np.float32)
+        await b.recv(dst, count, 0)
+        await sent
+        np.testing.assert_array_equal(dst, message(2, count))
+
+
+async def test_an_eager_message_larger_than_every_rx_buffer_waits_for_its_receive() -> None:
+    """Eager, but the rx buffers cannot hold it whole: the send completes once the
+    receive takes it (on a card, the network's own buffers may hold more)."""
+    async with aaccl.open_world(2, nbufs=NBUFS, bufsize=BUFSIZE, timeout=0.3) as (a, b):
+        count = NBUFS * BUFSIZE // 4 + 1
+        with pytest.raises(CCLOError) as failed:
+            await a.send(filled(a, message(1, count)), count, 1)
+        assert failed.value.code & ErrorCode.DEQUEUE_BUFFER_TIMEOUT_ERROR
+        sent = a.send(filled(a, message(2, count)), count, 1)
+        dst = b.allocate(count, np.float32)
+        await b.recv(dst, count, 0)
+        await sent
+        np.testing.assert_array_equal(dst, message(2, count))
+
+
 async def test_flow_control_delivers_everything_in_order() -> None:
-    # Two rx buffers of 64 bytes: eager threshold 64 bytes (16 float32).
+    # Two rx buffers of 64 bytes (16 float32 each); every message eager (stack="tcp").
     async with aaccl.open_world(2, nbufs=2, bufsize=64, timeout=5) as (a, b):
         counts = [16, 16, 16, 5, 16, 40, 1, 16, 300, 16, 16, 2, 16]
         sends = [a.send(filled(a, message(i, n)), n, 1) for i, n in enumerate(counts[:2])]
@@ -288,7 +331,7 @@ async def test_send_with_default_tag_matches_a_specific_recv_tag() -> None:
 
 # -- self, sub-communicators --------------------------------------------------------------
 
-@pytest.mark.parametrize("count", [10, EAGER_BYTES // 4 * 3])
+@pytest.mark.parametrize("count", [10, QUARTER // 4 * 3])
 async def test_send_to_self(count: int) -> None:
     async with aaccl.open_world(2, nbufs=NBUFS, bufsize=BUFSIZE, timeout=5) as (a, b):
         src, dst = filled(b, message(3, count)), b.allocate(count, np.float32)
@@ -380,8 +423,9 @@ async def test_recv_timeout_on_a_sub_communicator() -> None:
 
 
 async def test_rendezvous_send_without_a_receiver_fails_and_is_withdrawn() -> None:
-    async with aaccl.open_world(2, nbufs=NBUFS, bufsize=BUFSIZE, timeout=0.2) as (a, b):
-        count = EAGER_BYTES // 4 * 2
+    async with aaccl.open_world(2, nbufs=NBUFS, bufsize=BUFSIZE, timeout=0.2,
+                                stack="rdma") as (a, b):
+        count = BUFSIZE // 4 * 2
         with pytest.raises(CCLOError) as failed:
             await a.send(filled(a, message(1, count)), count, 1)
         assert failed.value.code != ErrorCode.COLLECTIVE_OP_SUCCESS
@@ -410,7 +454,7 @@ async def test_send_blocked_on_full_rx_buffers_fails_after_the_timeout() -> None
 
 # -- compression ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("count", [50, EAGER_BYTES])
+@pytest.mark.parametrize("count", [50, QUARTER])
 async def test_compressed_send_recv_rounds_to_float16(count: int) -> None:
     async with aaccl.open_world(2, nbufs=NBUFS, bufsize=BUFSIZE, timeout=5) as (a, b):
         data = np.random.default_rng(7).standard_normal(count).astype(np.float32) * 100

@@ -22,8 +22,8 @@ import anyio
 from .. import _exchmem as xm
 from .._errors import Aborted, ACCLError
 from ..devices import Device
-from ..devices._emulator import DEFAULT_PORT, EAGER_ONLY, EmulatorDevice
-from ..driver import Driver, check_buffers
+from ..devices._emulator import DEFAULT_PORT, EmulatorDevice
+from ..driver import STACKS, Driver, check_buffers
 from ..soft import InProcessFabric, SoftDevice
 from ._accl import ACCL
 
@@ -72,6 +72,24 @@ def _check_options(world_size: Any, device: str, fabric: str, nbufs: Any, bufsiz
         raise ValueError(f"timeout must be a positive number of seconds below 4000, got {timeout!r}")
 
 
+def _stack(stack: Any, device: str, emulator_protocol: Any) -> str:
+    """The world's network stack: `stack`, or `emulator_protocol` (its older name),
+    or "tcp"."""
+    if emulator_protocol is not None:
+        if stack is not None and stack != emulator_protocol:
+            raise ValueError(f"stack={stack!r} and emulator_protocol={emulator_protocol!r} "
+                             "disagree: emulator_protocol is stack's older name, give one")
+        stack = emulator_protocol
+    stack = "tcp" if stack is None else stack
+    if stack not in STACKS:
+        raise ValueError(f"unknown stack {stack!r}: choose from {', '.join(STACKS)}")
+    if stack == "rdma" and device in ("xrt", "pynq"):
+        raise ValueError(f"stack='rdma' on device={device!r}: ACCL's Alveo designs for XRT "
+                         "carry a TCP or UDP stack (RDMA is Coyote's, which aaccl does not "
+                         "drive)")
+    return stack
+
+
 def _ranks(size: int, bufsize: int,
            addresses: Sequence[tuple[str, int]] | None = None) -> list[xm.RankRecord]:
     """Every rank's communicator record: its (IP, port) on the FPGA network, or
@@ -86,8 +104,8 @@ def _ranks(size: int, bufsize: int,
 async def open_world(world_size: int | None = None, *, device: str = "soft",
                      fabric: str = "auto", nbufs: int = 16, bufsize: int = 1024,
                      timeout: float = 10.0, in_order: bool = False,
-                     emulator_port: int = DEFAULT_PORT,
-                     emulator_protocol: str = "tcp", xclbin: str | None = None,
+                     stack: str | None = None, emulator_port: int = DEFAULT_PORT,
+                     emulator_protocol: str | None = None, xclbin: str | None = None,
                      board_idx: int | Sequence[int] = 0, cclo_idx: int = 0,
                      addresses: Sequence[tuple[str, int]] | None = None,
                      ) -> AsyncIterator[list[ACCL]]:
@@ -106,10 +124,20 @@ async def open_world(world_size: int | None = None, *, device: str = "soft",
     one rank to overlap (both ranks receive before they send, say) times out here
     as it would hang on a card. Other devices are in order by nature.
 
+    `stack` is the network stack the CCLOs stand on, and sets the message protocol on
+    every device, the soft CCLO included: "tcp" (the default) or "udp", ACCL's stacks on
+    Alveo cards and its emulator's default, make every message eager (a send completes
+    once the receiver's rx buffers hold it, with no receive posted); "rdma" sends
+    messages up to one rx buffer eager and larger ones rendezvous (the send waits for
+    the receive), as ACCL does on Coyote's RDMA stack. ACCL's firmware runs barrier
+    and alltoall only through rendezvous, so on "tcp" and "udp" it cannot; the soft
+    CCLO runs them on any stack.
+
     `device="emulator"` drives ACCL's emulator (`cclo_emu`, ACCL's firmware run on the
     host), started beforehand with as many ranks as the world has, its start port
-    (`emulator_port`) and its network protocol (`emulator_protocol`, "tcp" or "udp").
-    Its ranks are tasks of this process, or one per process under mpiexec.
+    (`emulator_port`) and the world's `stack` (`cclo_emu -c tcp`, `udp` or `cyt_rdma`;
+    `emulator_protocol` is an older name for `stack`). Its ranks are tasks of this
+    process, or one per process under mpiexec.
 
     `device="xrt"` (pyxrt) or `"pynq"` (pynq 3.0.1) drive Alveo cards programmed with
     `xclbin`: rank r of this process uses card `board_idx + r` (or `board_idx[r]`),
@@ -118,16 +146,16 @@ async def open_world(world_size: int | None = None, *, device: str = "soft",
     _check_options(world_size, device, fabric, nbufs, bufsize, timeout)
     if not isinstance(in_order, bool):
         raise ValueError(f"in_order must be True or False, got {in_order!r}")
+    stack = _stack(stack, device, emulator_protocol)
     if device != "soft":
-        make, eager = _device_maker(device, emulator_port, emulator_protocol, xclbin,
-                                    board_idx, cclo_idx)
-        async with _device_world(world_size, make, nbufs, bufsize, timeout, eager,
+        make = _device_maker(device, emulator_port, stack, xclbin, board_idx, cclo_idx)
+        async with _device_world(world_size, make, nbufs, bufsize, timeout, stack,
                                  addresses) as on_devices:
             yield on_devices
         return
     if fabric == "mpi" or (fabric == "auto" and (
             mpi_launched() or (world_size is None and _started_by_mpiexec()))):
-        async with _mpi_world(world_size, nbufs, bufsize, timeout, in_order) as mine:
+        async with _mpi_world(world_size, nbufs, bufsize, timeout, in_order, stack) as mine:
             yield mine
         return
     if world_size is None:
@@ -138,7 +166,7 @@ async def open_world(world_size: int | None = None, *, device: str = "soft",
     try:
         for rank in range(world_size):
             dev = SoftDevice(rank, inprocess.port(rank), in_order=in_order)
-            accls.append(await _open(dev, rank, ranks, nbufs, bufsize, timeout))
+            accls.append(await _open(dev, rank, ranks, nbufs, bufsize, timeout, stack))
         yield accls
     except BaseException as exc:  # cancelled, interrupted, or a rank raised: nobody
         reason = _why(exc)        # will await what is outstanding, end it now
@@ -151,16 +179,14 @@ async def open_world(world_size: int | None = None, *, device: str = "soft",
                 await accl.aclose()
 
 
-def _device_maker(device: str, emulator_port: int, emulator_protocol: str, xclbin: str | None,
-                  board_idx: int | Sequence[int], cclo_idx: int,
-                  ) -> tuple[Callable[[int], Device], int | None]:
-    """How to open one rank's device, and the eager threshold it needs (None: default)."""
+def _device_maker(device: str, emulator_port: int, stack: str, xclbin: str | None,
+                  board_idx: int | Sequence[int], cclo_idx: int) -> Callable[[int], Device]:
+    """How to open one rank's device."""
     if device == "emulator":
         def emulator(rank: int) -> Device:
-            return EmulatorDevice(rank, port=emulator_port, protocol=emulator_protocol)
+            return EmulatorDevice(rank, port=emulator_port, protocol=stack)
 
-        # the firmware's TCP and UDP stacks cannot do rendezvous: every message is eager
-        return emulator, EAGER_ONLY
+        return emulator
     if xclbin is None:
         raise ValueError(f"device={device!r} needs xclbin=, the bitstream with ACCL's CCLO")
 
@@ -170,15 +196,15 @@ def _device_maker(device: str, emulator_port: int, emulator_protocol: str, xclbi
     if device == "xrt":
         from ..devices._xrt import XRTDevice
 
-        return (lambda rank: XRTDevice(xclbin, device_index=board(rank), cclo_index=cclo_idx)), None
+        return lambda rank: XRTDevice(xclbin, device_index=board(rank), cclo_index=cclo_idx)
     from ..devices._pynq import PynqDevice
 
-    return (lambda rank: PynqDevice(xclbin, device_index=board(rank), cclo_index=cclo_idx)), None
+    return lambda rank: PynqDevice(xclbin, device_index=board(rank), cclo_index=cclo_idx)
 
 
 @asynccontextmanager
 async def _device_world(world_size: int | None, make: Callable[[int], Device], nbufs: int,
-                        bufsize: int, timeout: float, max_eager_size: int | None = None,
+                        bufsize: int, timeout: float, stack: str = "tcp",
                         addresses: Sequence[tuple[str, int]] | None = None,
                         ) -> AsyncIterator[list[ACCL]]:
     """A world on devices that are networked already (the emulator, hardware): this
@@ -202,7 +228,7 @@ async def _device_world(world_size: int | None, make: Callable[[int], Device], n
     async def open_rank(rank: int) -> None:
         try:
             dev = await anyio.to_thread.run_sync(make, rank)
-            opened[rank] = await _open(dev, rank, ranks, nbufs, bufsize, timeout, max_eager_size)
+            opened[rank] = await _open(dev, rank, ranks, nbufs, bufsize, timeout, stack)
         except Exception as error:
             failed[rank] = error
 
@@ -225,9 +251,9 @@ async def _device_world(world_size: int | None, make: Callable[[int], Device], n
 
 
 async def _open(dev: Device, rank: int, ranks: list[xm.RankRecord], nbufs: int,
-                bufsize: int, timeout: float, max_eager_size: int | None = None) -> ACCL:
+                bufsize: int, timeout: float, stack: str = "tcp") -> ACCL:
     driver = Driver(dev, rank, ranks, nbufs=nbufs, bufsize=bufsize, timeout=timeout,
-                    max_eager_size=max_eager_size)
+                    stack=stack)
     try:
         return await ACCL.open(driver)
     except BaseException:
@@ -291,7 +317,7 @@ def listen_for_lost_processes() -> Callable[[], None]:
 
 @asynccontextmanager
 async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: float,
-                     in_order: bool) -> AsyncIterator[list[ACCL]]:
+                     in_order: bool, stack: str = "tcp") -> AsyncIterator[list[ACCL]]:
     from ..soft import MPIFabric
 
     stop_listening = listen_for_lost_processes()
@@ -304,7 +330,8 @@ async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: 
         fabric = MPIFabric(MPI.COMM_WORLD, nbufs, bufsize)
         try:
             dev = SoftDevice(fabric.rank, fabric.port(fabric.rank), in_order=in_order)
-            accl = await _open(dev, fabric.rank, _ranks(size, bufsize), nbufs, bufsize, timeout)
+            accl = await _open(dev, fabric.rank, _ranks(size, bufsize), nbufs, bufsize, timeout,
+                               stack)
             try:
                 yield [accl]
             except BaseException as exc:
@@ -452,16 +479,27 @@ def gather_from_every_rank(mine: Any, timeout: float,
     process of the job has called this. If one does not within `timeout`, or the
     launcher says a process ended first, raise ACCLError(why_not(why it ended, or None
     for the timeout)): never a hang."""
+    import pickle
+
+    import numpy as np
     from mpi4py import MPI
 
     from ..soft import MPIFabric
 
     comm = MPI.COMM_WORLD
-    barrier = comm.Ibarrier()
     deadline = time.monotonic() + timeout
-    while not barrier.Test():
-        ended = MPIFabric.ended()
-        if ended is not None or time.monotonic() > deadline:
-            raise ACCLError(why_not(ended))
-        time.sleep(0.001)
-    return comm.allgather(mine)
+
+    def finish(request: Any) -> None:  # nonblocking all along: a peer may be gone
+        while not request.Test():
+            ended = MPIFabric.ended()
+            if ended is not None or time.monotonic() > deadline:
+                raise ACCLError(why_not(ended))
+            time.sleep(0.001)
+
+    data = np.frombuffer(pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    sizes = np.empty(comm.size, np.int64)
+    finish(comm.Iallgather(np.array([data.size], np.int64), sizes))
+    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    everything = np.empty(int(sizes.sum()), np.uint8)
+    finish(comm.Iallgatherv(data, [everything, (sizes, offsets), MPI.BYTE]))
+    return [pickle.loads(everything[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]

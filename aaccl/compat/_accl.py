@@ -20,8 +20,7 @@ from .. import _exchmem as xm
 from .._constants import GLOBAL_COMM, TAG_ANY, ConfigFunction, ErrorCode
 from ..api import ACCL, Buffer, Call, mpi_launched
 from ..devices import Device
-from ..devices._emulator import EAGER_ONLY
-from ..driver import Driver
+from ..driver import EAGER_ONLY, Driver
 from . import _devices, _worlds
 from ._checks import Settings, settings, timeout_ticks
 from ._tables import (

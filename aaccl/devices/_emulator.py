@@ -31,11 +31,10 @@ from ._serial import SerialDevice
 log = logging.getLogger("aaccl")
 
 DEFAULT_PORT = 5500  # cclo_emu's and ACCL's run.py default start port
-PROTOCOLS = ("tcp", "udp")
+PROTOCOLS = {"tcp": "tcp", "udp": "udp", "rdma": "cyt_rdma"}
+"""aaccl's names for the emulator's network stacks, and cclo_emu's (its -c)."""
 RENDEZVOUS_ONLY = frozenset({Scenario.BARRIER, Scenario.ALLTOALL})
 """Calls ACCL's firmware always runs with rendezvous, whatever their size."""
-EAGER_ONLY = 1 << 30
-"""Eager threshold for the emulator: its TCP and UDP stacks cannot do rendezvous."""
 REPLY_TIMEOUT = 30.0
 """Seconds one request may take before the emulator counts as gone."""
 CONNECT_TIMEOUT = 5.0
@@ -46,7 +45,8 @@ _START, _POLL, _MMIO_READ, _MMIO_WRITE, _MEM_READ, _MEM_WRITE, _MEM_ALLOC = 5, 6
 
 
 class EmulatorDevice(SerialDevice):
-    """One rank of a running `cclo_emu` world, driven over ZMQ."""
+    """One rank of a running `cclo_emu` world, driven over ZMQ. `protocol` is the
+    network stack it was started with: "tcp", "udp", or "rdma" (`-c cyt_rdma`)."""
 
     config_timeout = REPLY_TIMEOUT
     stuck_remedy = "restart cclo_emu"
@@ -81,7 +81,8 @@ class EmulatorDevice(SerialDevice):
             raise DeviceError(
                 f"no ACCL emulator answers at {self.endpoint} (rank {rank}) within "
                 f"{connect_timeout:g} s. Start one cclo_emu per rank with this start port, "
-                f"e.g. `cclo_emu -s <world size> -r {rank} -p {port} -c {protocol}` "
+                f"e.g. `cclo_emu -s <world size> -r {rank} -p {port} "
+                f"-c {PROTOCOLS[protocol]}` "
                 "(see docs/emulator.md)") from None
         self._socket.setsockopt(zmq.RCVTIMEO, int(reply_timeout * 1000))
         # the server computes addr + len in an int: every range must end below 2**31
@@ -152,7 +153,7 @@ class EmulatorDevice(SerialDevice):
     # -- calls --------------------------------------------------------------------------
 
     def start(self, args: CallArgs, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
-        if args.scenario not in RENDEZVOUS_ONLY:
+        if args.scenario not in RENDEZVOUS_ONLY or self.protocol == "rdma":
             return super().start(args, waitfor)
         # the firmware runs these through rendezvous notifications, which its TCP and UDP
         # stacks never deliver: the call would spin until the emulator restarts

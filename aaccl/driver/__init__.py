@@ -1,5 +1,5 @@
 """The CCLO host protocol: exchange memory, the 12-argument call, return codes."""
 
-from ._driver import Driver, check_buffers
+from ._driver import EAGER_ONLY, STACKS, Driver, check_buffers, eager_threshold
 
-__all__ = ["Driver", "check_buffers"]
+__all__ = ["EAGER_ONLY", "STACKS", "Driver", "check_buffers", "eager_threshold"]

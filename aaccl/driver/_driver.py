@@ -25,7 +25,7 @@ from .._constants import (
     ConfigFunction,
     Scenario,
 )
-from .._errors import Aborted, ACCLError, CCLOError, DependencyError, KernelError
+from .._errors import Aborted, ACCLError, CCLOError, DependencyError, DeviceError, KernelError
 from ..devices import CallArgs, Device, DeviceCall
 from ..devices._base import joined
 from . import _firmware as firmware
@@ -37,6 +37,21 @@ CONFIG_TIMEOUT = 60.0
 """Seconds the driver waits for one configuration call before giving up on the device."""
 MAX_TICKS = 0xFFFFFFFF
 """The most timer ticks SET_TIMEOUT's 32-bit register holds."""
+STACKS = ("tcp", "udp", "rdma")
+"""The network stacks ACCL's CCLO runs on."""
+EAGER_ONLY = 1 << 30
+"""The eager threshold on ACCL's TCP and UDP stacks, which cannot carry rendezvous:
+every message is eager."""
+
+
+def eager_threshold(stack: str, bufsize: int) -> int:
+    """Bytes up to which a message is eager on `stack`: any message on TCP and UDP;
+    one rx buffer's worth on RDMA, above which it goes rendezvous, as ACCL's drivers
+    set it (accl_network_utils: the eager size is the rx buffer size, which the
+    firmware takes as its least)."""
+    if stack not in STACKS:
+        raise ValueError(f"stack must be one of {', '.join(map(repr, STACKS))}, got {stack!r}")
+    return bufsize if stack == "rdma" else EAGER_ONLY
 
 
 def check_buffers(nbufs: Any, bufsize: Any, nranks: int | None = None,
@@ -110,8 +125,15 @@ class Driver:
                  nbufs: int = 16, bufsize: int = 1024, timeout: float = 10.0,
                  max_eager_size: int | None = None,
                  arith_configs: dict[tuple[np.dtype, np.dtype], xm.ArithConfig] | None = None,
-                 ) -> None:
+                 stack: str | None = None) -> None:
+        """`stack` is the network stack the CCLO runs on ("tcp", "udp", "rdma"): it
+        sets the eager threshold (unless `max_eager_size` does), and on TCP and UDP
+        ACCL's firmware cannot run barrier or alltoall, which always go rendezvous.
+        None: unknown, with a threshold of a quarter of the rx buffers."""
         self.device = device
+        self.stack = stack
+        if stack is not None and max_eager_size is None:
+            max_eager_size = eager_threshold(stack, bufsize)
         self.arith_configs = dict(xm.DEFAULT_ARITH_CONFIGS if arith_configs is None
                                   else arith_configs)
         self.nbufs, self.bufsize, self.timeout = nbufs, bufsize, check_timeout(device, timeout)
@@ -257,6 +279,13 @@ class Driver:
                         function, tag, arithcfg, int(flags), stream_flags, *addrs)
         if not getattr(self.device, "runs_accl_firmware", False):
             return self.device.start(args, waitfor)
+        if scenario in firmware.RENDEZVOUS_ONLY and self.stack in ("tcp", "udp"):
+            # through rendezvous notifications the stack never delivers: it would spin
+            refused = DeviceCall(args)
+            refused.complete(error=DeviceError(
+                f"ACCL's firmware cannot run {scenario.name.lower()} over a {self.stack} "
+                "stack (it needs the rendezvous protocol of an RDMA stack)"))
+            return refused
         itemsizes = _itemsizes(operand_dtypes) if operand_dtypes is not None else (0, 0, 0)
         steps = firmware.substitute(args, len(self.comm(comm_id).ranks), itemsizes,
                                     firmware.Setup(self.bufsize, self.max_eager_size))

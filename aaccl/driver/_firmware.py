@@ -41,6 +41,9 @@ from typing import NamedTuple
 from .._constants import CompressionFlags, Scenario, StreamFlags
 from ..devices import CallArgs
 
+RENDEZVOUS_ONLY = frozenset({Scenario.BARRIER, Scenario.ALLTOALL})
+"""Calls the firmware always runs through rendezvous, whatever their size: never on
+its TCP and UDP stacks."""
 RECEIVING = frozenset({Scenario.SCATTER, Scenario.GATHER, Scenario.REDUCE,
                        Scenario.ALLGATHER, Scenario.REDUCE_SCATTER, Scenario.ALLTOALL,
                        Scenario.ALLREDUCE, Scenario.BCAST})

@@ -247,15 +247,17 @@ async def p2p(checks: Checks, accl: aaccl.ACCL) -> None:
         await wait_for_go(accl, RECEIVER)
     checks()
 
-    # a rendezvous send nobody receives fails and is withdrawn: never delivered
-    count = eager_bytes // 4 * 2
+    # a send that needs its receive (larger than every rx buffer: it cannot complete
+    # eagerly, on any stack) that nobody receives fails and is withdrawn: never delivered
+    count = nbufs * bufsize // 4 + 1
     if rank == SENDER:
         try:
             await accl.send(filled(accl, message(1, count)), count, RECEIVER, tag=12)
         except CCLOError as failed:
             assert failed.code != ErrorCode.COLLECTIVE_OP_SUCCESS
         else:
-            raise AssertionError("a rendezvous send with no receiver completed")
+            raise AssertionError("a send larger than the rx buffers, with no receiver, "
+                                 "completed")
         await send_go(accl, [RECEIVER] + idle)
         await accl.send(filled(accl, message(2, count)), count, RECEIVER, tag=12)
     elif rank == RECEIVER:
