@@ -189,7 +189,8 @@ def test_mixed_precision_offsets_each_buffer_by_its_own_element() -> None:
     *_, reduce, bcast = fw.substitute(args, 2, (4, 4, 2), SETUP)
     assert (reduce.addr_0, reduce.addr_2) == (A0 + 4 * 256, A2 + 2 * 256)
     assert bcast.addr_0 == bcast.addr_2 == A2 + 2 * 256
-    assert bcast.compression_flags == CompressionFlags.OP0_COMPRESSED | CompressionFlags.RES_COMPRESSED
+    both = CompressionFlags.OP0_COMPRESSED | CompressionFlags.RES_COMPRESSED
+    assert bcast.compression_flags == both
 
 
 def test_what_cannot_be_split_is_refused() -> None:
@@ -262,7 +263,7 @@ def test_in_sequence_after_a_failed_dependency_never_runs() -> None:
     assert isinstance(Driver.error(result, "bcast"), aaccl.DependencyError)
 
 
-# -- for real, on the soft CCLO taking the firmware's path ------------------------------------------
+# -- for real, on the soft CCLO taking the firmware's path -----------------------------------
 
 @pytest.fixture
 def firmware_path(monkeypatch: pytest.MonkeyPatch) -> list[list[CallArgs]]:
@@ -326,7 +327,7 @@ def test_a_refused_allreduce_fails_before_the_call(firmware_path: list[list[Call
     aaccl.run(main, 3, bufsize=8)
 
 
-# -- on the wire, against the emulator stand-in ------------------------------------------------------
+# -- on the wire, against the emulator stand-in ----------------------------------------------
 
 def test_the_emulator_gets_the_substitute_calls_in_order() -> None:
     """What ACCL's emulator is sent for an allreduce its ring hangs on, a bcast from its

@@ -1,5 +1,5 @@
 """aaccl's command line: `aaccl launch -n 4 app.py`, `aaccl info`, `aaccl bench`,
-`aaccl trace plot`."""
+`aaccl compare`, `aaccl trace plot`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
-from . import _bench, _info
+from . import _bench, _compare, _info
 from ._launch import command, find_mpiexec, launch
 
 __all__ = ["command", "find_mpiexec", "launch", "main"]
@@ -54,6 +54,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "aaccl bench ...), each process runs its own rank and rank 0 prints. "
                     "Exits with 1 if any result is wrong.")
     _bench.add_arguments(bench)
+    compare = commands.add_parser(
+        "compare", help="run a program on the soft CCLO and on ACCL's emulator, compare "
+                        "the results bit for bit",
+        description="Run an async main(accl) on the soft CCLO, with the options that make "
+                    "it run calls as ACCL's firmware does (in_order=True and the same "
+                    "network stack), and on running cclo_emu ranks; compare every rank's "
+                    "results bit for bit. Without a program, every collective over sizes "
+                    "1 to 4096 and every root. Exits with 1 if anything differs.")
+    _compare.add_arguments(compare)
     trace = commands.add_parser("trace", help="work with call timelines (aaccl.tracing)")
     trace_commands = trace.add_subparsers(dest="trace_command", required=True)
     draw = trace_commands.add_parser(
@@ -77,6 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "bench":
         return _bench.main(args, bench)
+    if args.command == "compare":
+        return _compare.main(args, compare)
     if args.command == "info":
         print(_info.render(_info.report(args.emulator_port), args.json))
         return 0
