@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -599,6 +600,61 @@ def test_dependent_starts_only_after_its_dependencies(fake: FakeEmulator,
     order = [(e[0], e[1].tag) for e in fake.snapshot() if e[0] in ("start", "done")]
     assert order[-6:] == [("start", 10), ("done", 10), ("start", 11), ("done", 11),
                           ("start", 12), ("done", 12)]
+
+
+def test_communicating_calls_start_in_the_order_they_were_submitted(
+        fake: FakeEmulator, device: EmulatorDevice) -> None:
+    """Every rank's firmware must run its sends, receives and collectives in the order
+    its program gave them (messages match by order): one that waits for a dependency
+    holds back the communicating calls after it, not the local ones; one whose
+    dependency failed gives way."""
+    fake.retcode_for.update({tag: 0 for tag in range(1, 10)})
+    outside = DeviceCall(args(0))
+    waiting = device.start(args(1, Scenario.ALLREDUCE), [outside])
+    later = device.start(args(2, Scenario.BCAST))
+    local = device.start(args(3, Scenario.COPY))  # count 0: copies nothing
+    finish(local)
+    assert fake.started_tags() == [3] and not later.done()
+    threading.Thread(target=outside.complete).start()
+    finish(waiting, later)
+    assert fake.started_tags() == [3, 1, 2] and not waiting.failed and not later.failed
+
+    failed = DeviceCall(args(0))
+    gives_way = device.start(args(4, Scenario.SEND), [failed])
+    after = device.start(args(5, Scenario.RECV))
+    assert not after.done() or fake.started_tags()[-1] == 5
+    failed.complete(error=RuntimeError("a dependency failed"))
+    finish(gives_way, after)
+    assert gives_way.aborted and not after.failed
+    assert fake.started_tags() == [3, 1, 2, 5]
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_collective_waiting_for_its_buffer_keeps_its_place(fake: FakeEmulator,
+                                                            backend: str) -> None:
+    """A collective that waits for an earlier call on its buffer (a kernel here) is not
+    passed by a later, independent collective: on another rank, where nothing made it
+    wait, the two would run the other way round and the firmware would mismatch them."""
+    fake.retcode_for[TAG_ANY] = 0
+
+    async def main(accl: aaccl.ACCL) -> None:
+        buf, other = accl.allocate(8, np.float32), accl.allocate(8, np.float32)
+        opened = threading.Event()
+        touch = accl.kernel(lambda b: opened.wait(10), name="slow")(buf)
+        first = accl.allreduce(buf, buf, 8, aaccl.ReduceFunction.SUM)  # waits for the kernel
+        second = accl.bcast(other, 8, 0)
+        with anyio.move_on_after(0.2):
+            await second
+        assert not second.done()
+        opened.set()
+        await second
+        await first
+        await touch
+
+    aaccl.run(main, 1, device="emulator", emulator_port=fake.port, nbufs=4, timeout=5,
+              backend=backend)
+    assert [c.scenario for c in fake.started() if c.scenario != Scenario.CONFIG] \
+        == [Scenario.ALLREDUCE, Scenario.BCAST]
 
 
 def test_failed_dependency_aborts_its_dependents(fake: FakeEmulator,

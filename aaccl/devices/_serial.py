@@ -4,7 +4,8 @@ ACCL's firmware leaves every call's return code in one register (RETCODE, 0x1FFC
 and neither the emulator nor XRT 2.11+ takes a wait list. So these devices queue
 calls on the host, start each when its dependencies succeeded (`start_after`) and
 the previous call finished, and read the return code before the next call starts —
-as ACCL's own SimDevice and XRTDevice do.
+as ACCL's own SimDevice and XRTDevice do. Calls that communicate keep the order
+they were submitted in (see `_submit`).
 
 ACCL's firmware keeps its receive timeout but never acts on it, so the timeout is
 enforced here: the call fails with RECEIVE_TIMEOUT_ERROR, and until the device
@@ -33,6 +34,8 @@ log = logging.getLogger("aaccl")
 
 TIMEOUT_GRACE = 1.0
 """Seconds past the configured timeout before the host gives up on a call."""
+LOCAL = frozenset({Scenario.CONFIG, Scenario.COPY, Scenario.COMBINE, Scenario.NOP})
+"""Calls that move no message: they may start before an earlier call that waits."""
 
 
 class SerialDevice:
@@ -57,6 +60,10 @@ class SerialDevice:
         self._queue: queue.SimpleQueue[DeviceCall | None] = queue.SimpleQueue()
         self._steps: dict[DeviceCall, tuple[CallArgs, ...]] = {}  # see start_steps
         self._steps_lock = threading.Lock()
+        # communicating calls submitted and not yet queued, in submission order (see
+        # _submit); reentrant: queueing on a closed device completes the call at once
+        self._turns: dict[DeviceCall, bool] = {}
+        self._turns_lock = threading.RLock()
         self._runner = threading.Thread(target=self._run_calls, daemon=True, name=name)
         self._runner.start()
         self._jobs = HostJobs(f"{name}-jobs")
@@ -89,7 +96,42 @@ class SerialDevice:
     def start(self, args: CallArgs, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
         if args.scenario == Scenario.CONFIG and args.function == ConfigFunction.SET_TIMEOUT:
             self._call_timeout = args.count / self.timer_hz
-        return start_after(DeviceCall(args), waitfor, self._enqueue)
+        return self._submit(DeviceCall(args), waitfor)
+
+    def _submit(self, call: DeviceCall, waitfor: Sequence[DeviceCall]) -> DeviceCall:
+        """Queue `call` once `waitfor` succeeded. A call that communicates (send, recv,
+        a collective) also waits for its turn among those submitted before it: the
+        firmware matches messages by their order, so every rank must run its
+        communicating calls in the order its program submitted them, whichever
+        dependencies resolve first. Local calls (copy, combine, nop) may pass."""
+        assert call.args is not None
+        if call.args.scenario in LOCAL:
+            return start_after(call, waitfor, self._enqueue)
+        with self._turns_lock:
+            self._turns[call] = False  # submitted; True once its dependencies succeeded
+        call.add_done_callback(self._left_turns)
+        return start_after(call, waitfor, self._ready)
+
+    def _ready(self, call: DeviceCall) -> None:
+        with self._turns_lock:
+            self._turns[call] = True
+            self._release()
+
+    def _left_turns(self, call: DeviceCall) -> None:
+        """A communicating call ended (it ran, or failed before its turn): make way."""
+        with self._turns_lock:
+            if self._turns.pop(call, None) is not None:
+                self._release()
+
+    def _release(self) -> None:
+        """Queue the communicating calls at the head whose dependencies succeeded, in
+        order (with _turns_lock held: nothing queues between them)."""
+        while self._turns:
+            head, ready = next(iter(self._turns.items()))
+            if not ready:
+                return
+            del self._turns[head]
+            self._enqueue(head)
 
     def start_steps(self, whole: CallArgs, steps: Sequence[CallArgs],
                     waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
@@ -101,7 +143,7 @@ class SerialDevice:
         with self._steps_lock:
             self._steps[call] = tuple(steps)
         call.add_done_callback(self._forget_steps)
-        return start_after(call, waitfor, self._enqueue)
+        return self._submit(call, waitfor)
 
     def _forget_steps(self, call: DeviceCall) -> None:
         with self._steps_lock:
