@@ -75,12 +75,16 @@ class FakeCall:
 class FakeEmulator:
     """ACCL's emulator command server (serve_zmq) with a minimal firmware behind it."""
 
-    def __init__(self, busy_polls: int = 2) -> None:
+    def __init__(self, busy_polls: int = 2, port: int | None = None) -> None:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.REP)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.port = self.socket.bind_to_random_port("tcp://127.0.0.1", min_port=20000,
-                                                    max_port=60000)
+        if port is None:
+            port = self.socket.bind_to_random_port("tcp://127.0.0.1", min_port=20000,
+                                                   max_port=60000)
+        else:  # as `cclo_emu -p` does (tests/fakes/cclo_emu.py)
+            self.socket.bind(f"tcp://127.0.0.1:{port}")
+        self.port = port
         self.cfgmem = [0] * (END_OF_EXCHMEM // 4)
         self.cfgmem[xm.HWID // 4] = HWID
         self.devicemem = bytearray()
