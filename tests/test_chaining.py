@@ -37,125 +37,103 @@ async def wait_until(predicate, timeout: float = 5.0) -> None:
 
 # -- chains and graphs -------------------------------------------------------------------
 
-async def test_copy_allreduce_bcast_chain_costs_one_await() -> None:
+@pytest.mark.aaccl(world_size=4, timeout=5)
+async def test_copy_allreduce_bcast_chain_costs_one_await(accl: aaccl.ACCL) -> None:
     n, root = 100, 2
-    inputs = [np.arange(n, dtype=np.float32) * (r + 1) for r in range(4)]
-    total = sum(inputs)
-
-    async def rank(accl: aaccl.ACCL):
-        src = filled(accl, inputs[accl.rank])
-        staged, reduced = accl.allocate(n), accl.allocate(n)
-        copied = accl.copy(src, staged, n, to_fpga=True)
-        summed = accl.allreduce(staged, reduced, n, ReduceFunction.SUM, from_fpga=True,
-                                to_fpga=True, waitfor=[copied])
-        last = accl.bcast(reduced, n, root, from_fpga=True, waitfor=[summed])
-        await last  # the only await of the chain
-        assert copied.done() and summed.done()
-        np.testing.assert_array_equal(staged, 0)  # to_fpga: the host copy was never written
-        np.testing.assert_array_equal(on_device(staged), inputs[accl.rank])
-        return np.array(reduced)
-
-    async with aaccl.open_world(4, timeout=5) as accls:
-        results = await run_ranks(accls, rank)
-    for got in results:
-        np.testing.assert_array_equal(got, total)
+    inputs = [np.arange(n, dtype=np.float32) * (r + 1) for r in range(accl.size)]
+    src = filled(accl, inputs[accl.rank])
+    staged, reduced = accl.allocate(n), accl.allocate(n)
+    copied = accl.copy(src, staged, n, to_fpga=True)
+    summed = accl.allreduce(staged, reduced, n, ReduceFunction.SUM, from_fpga=True,
+                            to_fpga=True, waitfor=[copied])
+    last = accl.bcast(reduced, n, root, from_fpga=True, waitfor=[summed])
+    await last  # the only await of the chain
+    assert copied.done() and summed.done()
+    np.testing.assert_array_equal(staged, 0)  # to_fpga: the host copy was never written
+    np.testing.assert_array_equal(on_device(staged), inputs[accl.rank])
+    np.testing.assert_array_equal(reduced, sum(inputs))
 
 
-async def test_chain_where_only_the_root_computes_before_the_bcast() -> None:
+@pytest.mark.aaccl(world_size=3, timeout=5)
+async def test_chain_where_only_the_root_computes_before_the_bcast(accl: aaccl.ACCL) -> None:
     n, root = 33, 1
-
-    async def rank(accl: aaccl.ACCL):
-        src = filled(accl, np.full(n, accl.rank + 1, np.int64))
-        reduced, out = accl.allocate(n, np.int64), accl.allocate(n, np.int64)
-        summed = accl.allreduce(src, reduced, n, ReduceFunction.SUM, to_fpga=True)
-        if accl.rank == root:  # out = reduced + reduced, on the device
-            before = [accl.combine(n, ReduceFunction.SUM, reduced, reduced, out,
-                                   val1_from_fpga=True, val2_from_fpga=True, to_fpga=True,
-                                   waitfor=[summed])]
-        else:
-            before = [summed]
-        await accl.bcast(out, n, root, from_fpga=True, waitfor=before)
-        return np.array(out)
-
-    async with aaccl.open_world(3, timeout=5) as accls:
-        results = await run_ranks(accls, rank)
-    for got in results:
-        np.testing.assert_array_equal(got, 2 * (1 + 2 + 3))
+    src = filled(accl, np.full(n, accl.rank + 1, np.int64))
+    reduced, out = accl.allocate(n, np.int64), accl.allocate(n, np.int64)
+    summed = accl.allreduce(src, reduced, n, ReduceFunction.SUM, to_fpga=True)
+    if accl.rank == root:  # out = reduced + reduced, on the device
+        before = [accl.combine(n, ReduceFunction.SUM, reduced, reduced, out,
+                               val1_from_fpga=True, val2_from_fpga=True, to_fpga=True,
+                               waitfor=[summed])]
+    else:
+        before = [summed]
+    await accl.bcast(out, n, root, from_fpga=True, waitfor=before)
+    np.testing.assert_array_equal(out, 2 * (1 + 2 + 3))
 
 
-async def test_diamond_on_one_rank() -> None:
-    async with aaccl.open_world(1, timeout=5) as (accl,):
-        n = 64
-        data = np.linspace(-4, 4, n).astype(np.float64)
-        src, ones = filled(accl, data), filled(accl, np.ones(n))
-        x, y, z, w = (accl.allocate(n, np.float64) for _ in range(4))
-        top = accl.copy(src, x, n, to_fpga=True)
-        left = accl.combine(n, ReduceFunction.SUM, x, x, y, val1_from_fpga=True,
-                            val2_from_fpga=True, to_fpga=True, waitfor=[top])
-        right = accl.combine(n, ReduceFunction.MAX, x, ones, z, val1_from_fpga=True,
-                             to_fpga=True, waitfor=[top])
-        bottom = accl.combine(n, ReduceFunction.SUM, y, z, w, val1_from_fpga=True,
-                              val2_from_fpga=True, waitfor=[left, right])
-        await bottom
-        np.testing.assert_array_equal(w, 2 * data + np.maximum(data, 1))
-        assert all(c.done() for c in (top, left, right))
+@pytest.mark.aaccl(world_size=1, timeout=5)
+async def test_diamond_on_one_rank(accl: aaccl.ACCL) -> None:
+    n = 64
+    data = np.linspace(-4, 4, n).astype(np.float64)
+    src, ones = filled(accl, data), filled(accl, np.ones(n))
+    x, y, z, w = (accl.allocate(n, np.float64) for _ in range(4))
+    top = accl.copy(src, x, n, to_fpga=True)
+    left = accl.combine(n, ReduceFunction.SUM, x, x, y, val1_from_fpga=True,
+                        val2_from_fpga=True, to_fpga=True, waitfor=[top])
+    right = accl.combine(n, ReduceFunction.MAX, x, ones, z, val1_from_fpga=True,
+                         to_fpga=True, waitfor=[top])
+    bottom = accl.combine(n, ReduceFunction.SUM, y, z, w, val1_from_fpga=True,
+                          val2_from_fpga=True, waitfor=[left, right])
+    await bottom
+    np.testing.assert_array_equal(w, 2 * data + np.maximum(data, 1))
+    assert all(c.done() for c in (top, left, right))
 
 
-async def test_diamond_of_collectives_across_ranks() -> None:
-    n, size = 16, 4
-
-    async def rank(accl: aaccl.ACCL):
-        src = filled(accl, np.arange(n, dtype=np.int32) + 100 * accl.rank)
-        x = accl.allocate(n, np.int32)
-        summed, gathered = accl.allocate(n, np.int32), accl.allocate(n * size, np.int32)
-        top = accl.copy(src, x, n, to_fpga=True)
-        left = accl.allreduce(x, summed, n, ReduceFunction.SUM, from_fpga=True, waitfor=[top])
-        right = accl.allgather(x, gathered, n, from_fpga=True, waitfor=[top])
-        await accl.nop(waitfor=[left, right])
-        assert left.done() and right.done()  # results are on the host once dependents run
-        return np.array(summed), np.array(gathered)
-
-    async with aaccl.open_world(size, timeout=5) as accls:
-        results = await run_ranks(accls, rank)
+@pytest.mark.aaccl(world_size=4, timeout=5)
+async def test_diamond_of_collectives_across_ranks(accl: aaccl.ACCL) -> None:
+    n, size = 16, accl.size
+    src = filled(accl, np.arange(n, dtype=np.int32) + 100 * accl.rank)
+    x = accl.allocate(n, np.int32)
+    summed, gathered = accl.allocate(n, np.int32), accl.allocate(n * size, np.int32)
+    top = accl.copy(src, x, n, to_fpga=True)
+    left = accl.allreduce(x, summed, n, ReduceFunction.SUM, from_fpga=True, waitfor=[top])
+    right = accl.allgather(x, gathered, n, from_fpga=True, waitfor=[top])
+    await accl.nop(waitfor=[left, right])
+    assert left.done() and right.done()  # results are on the host once dependents run
     inputs = [np.arange(n, dtype=np.int32) + 100 * r for r in range(size)]
-    for summed, gathered in results:
-        np.testing.assert_array_equal(summed, sum(inputs))
-        np.testing.assert_array_equal(gathered, np.concatenate(inputs))
+    np.testing.assert_array_equal(summed, sum(inputs))
+    np.testing.assert_array_equal(gathered, np.concatenate(inputs))
 
 
-async def test_token_ring_as_one_graph_per_rank() -> None:
+@pytest.mark.aaccl(world_size=4, timeout=5)
+async def test_token_ring_as_one_graph_per_rank(accl: aaccl.ACCL) -> None:
     """recv -> combine(+1) -> send around a ring, all on the device: one await per rank."""
-    size, n = 4, 8
-
-    async def rank(accl: aaccl.ACCL):
-        token, one = accl.allocate(n, np.int64), filled(accl, np.ones(n, np.int64))
-        left, right = (accl.rank - 1) % size, (accl.rank + 1) % size
-        if accl.rank == 0:
-            sent = accl.send(token, n, right, tag=3)
-            last = accl.recv(token, n, left, tag=3, waitfor=[sent])
-        else:
-            got = accl.recv(token, n, left, tag=3, to_fpga=True)
-            bumped = accl.combine(n, ReduceFunction.SUM, token, one, token, val1_from_fpga=True,
-                                  to_fpga=True, waitfor=[got])
-            last = accl.send(token, n, right, tag=3, from_fpga=True, waitfor=[bumped])
-        await last
-        return np.array(token)
-
-    async with aaccl.open_world(size, timeout=5) as accls:
-        results = await run_ranks(accls, rank)
-    np.testing.assert_array_equal(results[0], size - 1)
+    size, n = accl.size, 8
+    token, one = accl.allocate(n, np.int64), filled(accl, np.ones(n, np.int64))
+    left, right = (accl.rank - 1) % size, (accl.rank + 1) % size
+    if accl.rank == 0:
+        sent = accl.send(token, n, right, tag=3)
+        last = accl.recv(token, n, left, tag=3, waitfor=[sent])
+    else:
+        got = accl.recv(token, n, left, tag=3, to_fpga=True)
+        bumped = accl.combine(n, ReduceFunction.SUM, token, one, token, val1_from_fpga=True,
+                              to_fpga=True, waitfor=[got])
+        last = accl.send(token, n, right, tag=3, from_fpga=True, waitfor=[bumped])
+    await last
+    if accl.rank == 0:
+        np.testing.assert_array_equal(token, size - 1)
 
 
-async def test_long_chain_costs_one_await() -> None:
-    async with aaccl.open_world(1, timeout=5) as (accl,):
-        n, steps = 32, 200
-        acc, one = accl.allocate(n, np.int64), filled(accl, np.ones(n, np.int64))
-        last = accl.copy(one, acc, n, to_fpga=True)
-        for i in range(steps):
-            last = accl.combine(n, ReduceFunction.SUM, acc, one, acc, val1_from_fpga=True,
-                                to_fpga=i < steps - 1, waitfor=[last])
-        await last
-        np.testing.assert_array_equal(acc, steps + 1)
+@pytest.mark.aaccl(world_size=1, timeout=5)
+async def test_long_chain_costs_one_await(accl: aaccl.ACCL) -> None:
+    n, steps = 32, 200
+    acc, one = accl.allocate(n, np.int64), filled(accl, np.ones(n, np.int64))
+    last = accl.copy(one, acc, n, to_fpga=True)
+    for i in range(steps):
+        last = accl.combine(n, ReduceFunction.SUM, acc, one, acc, val1_from_fpga=True,
+                            to_fpga=i < steps - 1, waitfor=[last])
+    await last
+    np.testing.assert_array_equal(acc, steps + 1)
+
 
 
 async def test_waitfor_a_finished_call_runs_at_once() -> None:

@@ -1,7 +1,8 @@
 """Every collective (and copy, combine) on the soft CCLO, against a numpy reference.
 
 Each rank computes every rank's inputs from a seed, so it knows the whole
-collective's expected result without talking to anyone. Host and device copies are
+collective's expected result without talking to anyone: tests marked
+`@pytest.mark.aaccl` (aaccl's pytest plugin) are simply the body of one rank. Host and device copies are
 checked separately: `from_fpga` inputs are scrambled on the host after being
 synced, `to_fpga` results must not reach the host until `sync_from_device`, and
 elements past `count` must be left alone on both sides.
@@ -310,60 +311,50 @@ def test_large_allreduce(size: int, dtype: Any, options: dict[str, Any], backend
 
 @pytest.mark.parametrize(("from_fpga", "to_fpga"), [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("op", OPS)
-async def test_device_resident(op: str, from_fpga: bool, to_fpga: bool) -> None:
+@pytest.mark.aaccl(world_size=3)
+async def test_device_resident(accl: aaccl.ACCL, op: str, from_fpga: bool, to_fpga: bool) -> None:
     """Inputs synced by hand (the host copy then scrambled), results left on the device:
     the host copy must not change until sync_from_device."""
-    size = 3
-
-    async def main(accl: aaccl.ACCL) -> None:
-        for count in (5, 301):
-            for root in roots_of(op, size):
-                for func in funcs_of(op):
-                    await check_op(accl, op, np.int32, count, root, func, count + root,
-                                   from_fpga=from_fpga, to_fpga=to_fpga)
-                    await check_op(accl, op, np.float32, count, root, func, count + root,
-                                   from_fpga=from_fpga, to_fpga=to_fpga)
-
-    await on_world(size, main)
+    for count in (5, 301):
+        for root in roots_of(op, accl.size):
+            for func in funcs_of(op):
+                await check_op(accl, op, np.int32, count, root, func, count + root,
+                               from_fpga=from_fpga, to_fpga=to_fpga)
+                await check_op(accl, op, np.float32, count, root, func, count + root,
+                               from_fpga=from_fpga, to_fpga=to_fpga)
 
 
-async def test_to_fpga_leaves_host_copy_stale() -> None:
-    async def main(accl: aaccl.ACCL) -> None:
-        src = accl.allocate(16, np.int64)
-        dst = accl.allocate(16, np.int64)
-        src[:] = np.arange(16) * (accl.rank + 1)
-        await accl.allreduce(src, dst, 16, SUM, to_fpga=True)
-        np.testing.assert_array_equal(dst, 0)  # still the host's zeros
-        dst.sync_from_device()
-        np.testing.assert_array_equal(dst, np.arange(16) * 10)
-
-    await on_world(4, main)
+@pytest.mark.aaccl(world_size=4)
+async def test_to_fpga_leaves_host_copy_stale(accl: aaccl.ACCL) -> None:
+    src = accl.allocate(16, np.int64)
+    dst = accl.allocate(16, np.int64)
+    src[:] = np.arange(16) * (accl.rank + 1)
+    await accl.allreduce(src, dst, 16, SUM, to_fpga=True)
+    np.testing.assert_array_equal(dst, 0)  # still the host's zeros
+    dst.sync_from_device()
+    np.testing.assert_array_equal(dst, np.arange(16) * 10)
 
 
-async def test_device_chain_with_one_await() -> None:
+@pytest.mark.aaccl(world_size=4)
+async def test_device_chain_with_one_await(accl: aaccl.ACCL) -> None:
     """allreduce -> bcast -> copy -> combine, all on the device, joined by waitfor."""
-    size = 4
-
-    async def main(accl: aaccl.ACCL) -> None:
-        n = 300
-        src, red, cpy, out = (accl.allocate(n, np.float64) for _ in range(4))
-        src[:] = inputs_of(accl.rank, n, np.float64, 3)
-        a = accl.allreduce(src, red, n, MAX, to_fpga=True)
-        if accl.rank == size - 1:
-            red[:] = GARBAGE  # the host copy is stale; bcast must send the device's copy
-        b = accl.bcast(red, n, size - 1, from_fpga=True, to_fpga=True, waitfor=[a])
-        c = accl.copy(red, cpy, n, from_fpga=True, to_fpga=True, waitfor=[b])
-        d = accl.combine(n, SUM, red, cpy, out, val1_from_fpga=True, val2_from_fpga=True,
-                         waitfor=[c])
-        await d
-        assert a.done() and b.done() and c.done()
-        want = 2 * np.maximum.reduce([inputs_of(r, n, np.float64, 3) for r in range(size)])
-        np.testing.assert_array_equal(out, want)
-        np.testing.assert_array_equal(cpy, 0)  # never synced back
-        cpy.sync_from_device()
-        np.testing.assert_array_equal(cpy, want / 2)
-
-    await on_world(size, main)
+    n, last = 300, accl.size - 1
+    src, red, cpy, out = (accl.allocate(n, np.float64) for _ in range(4))
+    src[:] = inputs_of(accl.rank, n, np.float64, 3)
+    a = accl.allreduce(src, red, n, MAX, to_fpga=True)
+    if accl.rank == last:
+        red[:] = GARBAGE  # the host copy is stale; bcast must send the device's copy
+    b = accl.bcast(red, n, last, from_fpga=True, to_fpga=True, waitfor=[a])
+    c = accl.copy(red, cpy, n, from_fpga=True, to_fpga=True, waitfor=[b])
+    d = accl.combine(n, SUM, red, cpy, out, val1_from_fpga=True, val2_from_fpga=True,
+                     waitfor=[c])
+    await d
+    assert a.done() and b.done() and c.done()
+    want = 2 * np.maximum.reduce([inputs_of(r, n, np.float64, 3) for r in range(accl.size)])
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(cpy, 0)  # never synced back
+    cpy.sync_from_device()
+    np.testing.assert_array_equal(cpy, want / 2)
 
 
 # -- in place ---------------------------------------------------------------------------
@@ -449,63 +440,57 @@ async def test_barrier(size: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-async def test_copy(dtype: Any) -> None:
-    async def main(accl: aaccl.ACCL) -> None:
-        for count in (0, 1, 7, 301, 5000):
-            for from_fpga, to_fpga in ((False, False), (True, False), (False, True), (True, True)):
-                data = inputs_of(accl.rank, count, dtype, count)
-                src, dst = filled(accl, count, dtype), filled(accl, count, dtype)
-                s_host = put_input(src, data, from_fpga)
-                await accl.copy(src, dst, count, from_fpga=from_fpga, to_fpga=to_fpga)
-                what = f"copy {count} from_fpga={from_fpga} to_fpga={to_fpga}"
-                np.testing.assert_array_equal(src, s_host, err_msg=what)
-                if to_fpga:
-                    np.testing.assert_array_equal(dst, SENTINEL, err_msg=what)
-                else:
-                    np.testing.assert_array_equal(dst[:count], data, err_msg=what)
-                device = device_copy(dst)
-                np.testing.assert_array_equal(device[:count], data, err_msg=what)
-                np.testing.assert_array_equal(device[count:], SENTINEL, err_msg=what)
-
-    await on_world(2, main)
+@pytest.mark.aaccl(world_size=2)
+async def test_copy(accl: aaccl.ACCL, dtype: Any) -> None:
+    for count in (0, 1, 7, 301, 5000):
+        for from_fpga, to_fpga in ((False, False), (True, False), (False, True), (True, True)):
+            data = inputs_of(accl.rank, count, dtype, count)
+            src, dst = filled(accl, count, dtype), filled(accl, count, dtype)
+            s_host = put_input(src, data, from_fpga)
+            await accl.copy(src, dst, count, from_fpga=from_fpga, to_fpga=to_fpga)
+            what = f"copy {count} from_fpga={from_fpga} to_fpga={to_fpga}"
+            np.testing.assert_array_equal(src, s_host, err_msg=what)
+            if to_fpga:
+                np.testing.assert_array_equal(dst, SENTINEL, err_msg=what)
+            else:
+                np.testing.assert_array_equal(dst[:count], data, err_msg=what)
+            device = device_copy(dst)
+            np.testing.assert_array_equal(device[:count], data, err_msg=what)
+            np.testing.assert_array_equal(device[count:], SENTINEL, err_msg=what)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-async def test_combine(dtype: Any) -> None:
-    async def main(accl: aaccl.ACCL) -> None:
-        for count in (0, 1, 7, 301, 5000):
-            for func in (SUM, MAX):
-                for flags in ((False, False, False), (True, False, True), (False, True, False),
-                              (True, True, True)):
-                    v1_dev, v2_dev, to_fpga = flags
-                    a = inputs_of(accl.rank, count, dtype, count)
-                    b = inputs_of(accl.rank + 10, count, dtype, count)
-                    va, vb, out = (filled(accl, count, dtype) for _ in range(3))
-                    ha, hb = put_input(va, a, v1_dev), put_input(vb, b, v2_dev)
-                    await accl.combine(count, func, va, vb, out, val1_from_fpga=v1_dev,
-                                       val2_from_fpga=v2_dev, to_fpga=to_fpga)
-                    what = f"combine {count} {func.name} {flags}"
-                    np.testing.assert_array_equal(va, ha, err_msg=what)
-                    np.testing.assert_array_equal(vb, hb, err_msg=what)
-                    want = fold(func, [a, b])
-                    if to_fpga:
-                        np.testing.assert_array_equal(out, SENTINEL, err_msg=what)
-                    else:
-                        assert_result(out[:count], want, what)
-                    device = device_copy(out)
-                    assert_result(device[:count], want, what)
-                    np.testing.assert_array_equal(device[count:], SENTINEL, err_msg=what)
-
-    await on_world(2, main)
+@pytest.mark.aaccl(world_size=2)
+async def test_combine(accl: aaccl.ACCL, dtype: Any) -> None:
+    for count in (0, 1, 7, 301, 5000):
+        for func in (SUM, MAX):
+            for flags in ((False, False, False), (True, False, True), (False, True, False),
+                          (True, True, True)):
+                v1_dev, v2_dev, to_fpga = flags
+                a = inputs_of(accl.rank, count, dtype, count)
+                b = inputs_of(accl.rank + 10, count, dtype, count)
+                va, vb, out = (filled(accl, count, dtype) for _ in range(3))
+                ha, hb = put_input(va, a, v1_dev), put_input(vb, b, v2_dev)
+                await accl.combine(count, func, va, vb, out, val1_from_fpga=v1_dev,
+                                   val2_from_fpga=v2_dev, to_fpga=to_fpga)
+                what = f"combine {count} {func.name} {flags}"
+                np.testing.assert_array_equal(va, ha, err_msg=what)
+                np.testing.assert_array_equal(vb, hb, err_msg=what)
+                want = fold(func, [a, b])
+                if to_fpga:
+                    np.testing.assert_array_equal(out, SENTINEL, err_msg=what)
+                else:
+                    assert_result(out[:count], want, what)
+                device = device_copy(out)
+                assert_result(device[:count], want, what)
+                np.testing.assert_array_equal(device[count:], SENTINEL, err_msg=what)
 
 
-async def test_combine_in_place() -> None:
-    async def main(accl: aaccl.ACCL) -> None:
-        acc = accl.allocate(100, np.int64)
-        step = accl.allocate(100, np.int64)
-        step[:] = np.arange(100)
-        for _ in range(5):
-            await accl.combine(100, SUM, acc, step, acc)
-        np.testing.assert_array_equal(acc, 5 * np.arange(100))
-
-    await on_world(1, main)
+@pytest.mark.aaccl(world_size=1)
+async def test_combine_in_place(accl: aaccl.ACCL) -> None:
+    acc = accl.allocate(100, np.int64)
+    step = accl.allocate(100, np.int64)
+    step[:] = np.arange(100)
+    for _ in range(5):
+        await accl.combine(100, SUM, acc, step, acc)
+    np.testing.assert_array_equal(acc, 5 * np.arange(100))
