@@ -34,7 +34,9 @@ from ._engine import Timer, Wait
 from ._streams import StreamRead, segments, stream_roles
 from .algorithms import SMALL_ALLREDUCE_COUNT, Copy, Incoming, Local, Send, Step, schedule
 from .fabric import Fingerprint, Key, Message, PostedRecv
+from .fabric import _blocks as blocks
 from .fabric._inbox import mismatch
+from .fabric._lane import Lane, Matched, Op, runs_natively, transfer
 from .fabric._message import describe, function_name
 
 if TYPE_CHECKING:
@@ -532,7 +534,7 @@ class ScheduleCall(SoftCall):
     """copy, combine and the collectives: a schedule of sends, copies and reductions."""
 
     __slots__ = ("comm", "seq", "path", "addrs", "itemsizes", "views", "sending", "taken",
-                 "saved", "prefix", "met", "fp", "quiet")
+                 "saved", "prefix", "met", "fp", "quiet", "lane", "op", "lane_index")
 
     def prepare(self) -> None:
         args, dev = self.args, self.dev
@@ -542,10 +544,17 @@ class ScheduleCall(SoftCall):
         self.met = False
         self.fp: Fingerprint | None = None
         self.quiet = False  # its failure came from a peer, which has told the others
+        self.lane: Lane | None = None
+        self.op: Op | None = None  # its place among the collectives MPI runs
         if args.scenario in COLLECTIVES:
             self.comm = comm = dev.comm(args.comm)
             self.seq = dev.next_coll_seq(comm.key)
             self.prefix = ("coll", comm.key, self.seq)
+            lane = getattr(dev.port, "lane", None)
+            if lane is not None and not args.stream_flags:
+                self.lane = lane(comm.key)
+                self.op = None if self.lane is None else self.lane.admit()
+                self.lane_index = -1 if self.op is None else self.op.index
             if args.scenario in ROOTED and args.root_src_dst >= comm.size:
                 raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
             self._join(comm)
@@ -594,6 +603,10 @@ class ScheduleCall(SoftCall):
             self.dev.engine.soon(self.fail_now, CallFailed(MISMATCH, why), Aborted(why))
 
     def abandon(self) -> None:
+        if self.aborting is not None:
+            self._leave_lane(0, str(self.aborting))
+        elif self.failure:
+            self._leave_lane(self.failure, self.failure_detail)
         if getattr(self, "prefix", None) is None:
             return
         assert self.comm is not None
@@ -603,8 +616,10 @@ class ScheduleCall(SoftCall):
         self.dev.inbox.abandon_steps(self.prefix)  # peers' messages would fill rx buffers
 
     def abort(self) -> None:
-        self._tell_peers(0, "it did not run: a call it waits for failed"
-                         if self.aborting is None else str(self.aborting))
+        why = "it did not run: a call it waits for failed" if self.aborting is None \
+            else str(self.aborting)
+        self._tell_peers(0, why)
+        self._leave_lane(0, why)
         super().abort()
 
     def finish(self, retcode: int, detail: str | None = None) -> None:
@@ -627,21 +642,39 @@ class ScheduleCall(SoftCall):
         if self.quiet or comm.size == 1 or self.dev.silent:
             return
         self.quiet = True
-        me, desc = self.dev.session, self.describe()
-        if code in (MISMATCH, SIZE_MISMATCH) and why:
-            notice = why  # names both sides already
-        elif code:
-            names = ", ".join(ErrorCode(code).names())
-            notice = f"rank {me}'s {desc} failed ({names})" + (f": {why}" if why else "")
-        else:
-            notice = f"rank {me}'s {desc} was aborted: {why}"
+        me, notice = self.dev.session, self._notice(code, why)
         for peer in comm.sessions:
             if peer != me:
                 msg = Message(me, ("abort", comm.key, self.seq), self.seq, 0, None, eager=True)
                 msg.notice = (code, notice)
                 self.dev.port.post(peer, msg, 0)
 
+    def waiting_for(self, wait: Wait) -> str:
+        if isinstance(wait, Matched):
+            peers = self.peers_waited(wait)
+            who = f"rank{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))}"
+            stage = "allgather that opens" if wait is getattr(self.op, "opening", None) \
+                else "collective that moves the data of"
+            return (f"MPI's {stage} the collective with {who}"
+                    + (" (MPI does not say which of them is missing)" if len(peers) > 1 else ""))
+        return super().waiting_for(wait)
+
+    def _notice(self, code: int, why: str | None) -> str:
+        """Our call's failure, in words for its peers."""
+        desc = self.describe()
+        if code in (MISMATCH, SIZE_MISMATCH) and why:
+            return why  # names both sides already
+        if code:
+            names = ", ".join(ErrorCode(code).names())
+            return f"rank {self.dev.session}'s {desc} failed ({names})" + (f": {why}" if why else "")
+        return f"rank {self.dev.session}'s {desc} was aborted: {why}"
+
     def peers_waited(self, wait: Wait) -> list[int]:
+        if isinstance(wait, Matched) and self.comm is not None:
+            # every other member, but one that left after its part of this collective
+            index, gone = self.lane_index, self.dev.gone_lane
+            return [s for s in self.comm.sessions
+                    if s != self.dev.session and not index < gone.get(s, 0)]
         sources = getattr(wait, "sources", None)
         if sources is not None:
             return sources()
@@ -650,6 +683,85 @@ class ScheduleCall(SoftCall):
             return [self.comm.sessions[r] for r in missing()]
         dst = getattr(wait, "dst", None)  # over MPI: a payload a peer is to take
         return [] if dst is None else [dst]
+
+    # -- collectives MPI runs (over MPI, the world's communicator) ----------------------
+
+    def _by_mpi(self) -> Generator[Wait, Any, bool]:
+        """Take our turn in the lane: the opening exchange, then (if the data did not
+        ride in it) MPI's collective moves it. False: MPI cannot, the schedule must."""
+        args, dev, comm, op, lane, fp = self.args, self.dev, self.comm, self.op, self.lane, self.fp
+        assert comm is not None and op is not None and lane is not None and fp is not None
+        path = dev.datapath(args)
+        reach = _plan(args.scenario, comm.rank, comm.size, args.root_src_dst, args.count).reach
+        op0, _, res = (dev.array(address, path.dtype, n) if n else None
+                       for address, n in zip((args.addr_0, args.addr_1, args.addr_2), reach))
+        inline = blocks.fits(fp)
+        block = np.empty(blocks.BLOCK, np.uint8)
+        mine = blocks.share(fp, comm.rank)
+        blocks.encode(block, fp, op0[:mine] if inline and mine and op0 is not None else None)
+        moves = None
+        if not inline and runs_natively(fp):
+            moves = transfer(lane.comm, fp, comm.rank, op0, res)
+        lane.start(op, block, moves)
+        try:
+            why = op.turn.value if op.turn.done else (yield op.turn)
+            if why:
+                raise CallFailed(RECEIVE_TIMEOUT, why)
+            opened = op.opening.value if op.opening.done else (yield op.opening)
+        except CallFailed as failed:
+            if not self.failure and self.aborting is None and failed.code == RECEIVE_TIMEOUT:
+                self._leave_lane(failed.code, failed.detail, timed_out=True)
+            raise
+        if isinstance(opened, str):
+            raise CallFailed(ErrorCode.DMA_INTERNAL_ERROR, f"MPI failed: {opened}")
+        exchanged, moving = opened
+        self._verdict(exchanged)
+        if inline:
+            blocks.settle(fp, comm.rank, exchanged, op0, res, path.combine)
+            return True
+        if not moving:
+            return False
+        error = op.moved.value if op.moved.done else (yield op.moved)
+        if error:
+            raise CallFailed(ErrorCode.DMA_INTERNAL_ERROR, f"MPI failed: {error}")
+        return True
+
+    def _verdict(self, exchanged: list[blocks.Block]) -> None:
+        """Fail our call as every rank does, from the same blocks: a peer's call did
+        not run, or does not match ours."""
+        comm, fp = self.comm, self.fp
+        assert comm is not None and fp is not None
+        for k, block in enumerate(exchanged):
+            if block.state != blocks.RUNS and k != comm.rank:
+                self.quiet = True  # the peer told everyone, in its block
+                why = block.why
+                if block.state == blocks.ABORTED:
+                    raise CallFailed(MISMATCH, why, error=Aborted(why))
+                raise CallFailed(block.code, why)
+        for k, block in enumerate(exchanged):
+            if block.fp != fp:
+                self.quiet = True  # every rank sees the same mismatch
+                raise CallFailed(*mismatch(fp, block.fp, self.dev.session, comm.sessions[k]))
+
+    def _leave_lane(self, code: int, why: str | None, timed_out: bool = False) -> None:
+        """Our call ends before its turn in the lane is over: it still takes its
+        turn, with a block that says why (MPI must see the same collectives on every
+        rank); if its opening is in flight and we gave up on the peers, the calls
+        queued behind it fail at once."""
+        op, lane, comm = self.op, self.lane, self.comm
+        if op is None or lane is None or comm is None:
+            return
+        self.op = None
+        if not op.issued:
+            fp = self.fp or (self.args.scenario, self.args.count, "", "", None, None, comm.size)
+            block = np.empty(blocks.BLOCK, np.uint8)
+            blocks.encode(block, fp, state=blocks.FAILED if code else blocks.ABORTED,
+                          code=code, why=self._notice(code, why))
+            lane.withdraw(op, block)
+        elif timed_out and not op.opening.done:
+            lane.abandoned(op, f"it was queued behind rank {self.dev.session}'s "
+                               f"{self.describe()}, which gave up on its peers while MPI "
+                               "still matched it (it fails until they come)")
 
     def _meets(self) -> bool:
         """In process, a small allreduce meets its peers in shared memory."""
@@ -691,6 +803,14 @@ class ScheduleCall(SoftCall):
         if self._meets():
             yield from self._meet()
             return
+        if self.op is not None:
+            try:
+                done = yield from self._by_mpi()
+            except BaseException:
+                self.abandon()
+                raise
+            if done:
+                return
         plan = _plan(args.scenario, 0 if comm is None else comm.rank,
                      1 if comm is None else comm.size, args.root_src_dst, args.count)
         self.path = path = dev.datapath(args)

@@ -23,6 +23,7 @@ from ._datapath import Datapath, UnsupportedConfig
 from ._memory import DeviceMemory
 from ._streams import StreamKernel, StreamPorts
 from .fabric import Message, Port, RxPool
+from .fabric import _blocks as blocks
 
 HWID = 0x0000_00F8  # reduction, compression and stream bits as ACCL's driver reads them
 
@@ -57,6 +58,7 @@ class SoftDevice:
         self.closed = False
         self.last: SoftCall | None = None  # the last call admitted (for `activity`)
         self.gone: dict[int, str] = {}  # peers (sessions) that left the world, and why
+        self.gone_lane: dict[int, int] = {}  # ... and how far MPI ran their collectives
         self.silent = False  # aborted whole: failing calls send no notices
         self.inbox.on_leave = self._peer_left
         register = getattr(port, "register", None)
@@ -272,6 +274,13 @@ class SoftDevice:
         except CallFailed:
             return
         seq = self.next_coll_seq(comm.key)
+        lane = getattr(self.port, "lane", None)
+        lane = None if lane is None else lane(comm.key)
+        if lane is not None:  # it takes its turn among the collectives MPI runs, too
+            block = np.empty(blocks.BLOCK, np.uint8)
+            blocks.encode(block, (0, None, "", "", None, None, comm.size),
+                          state=blocks.ABORTED, why=reason)
+            lane.withdraw(lane.admit(), block)
         for peer in comm.sessions:
             if peer != self.session:
                 msg = Message(self.session, ("abort", comm.key, seq), seq, 0, None, eager=True)
@@ -284,17 +293,21 @@ class SoftDevice:
         self.engine.post(self._leave, reason, tuple(peers))
 
     def _leave(self, reason: str, peers: tuple[int, ...]) -> None:
+        lane_done = getattr(self.port, "lane_done", None)
+        done = 0 if lane_done is None else lane_done()
         for peer in peers:
             if peer != self.session:
-                msg = Message(self.session, ("leave",), 0, 0, None, eager=True)
+                msg = Message(self.session, ("leave",), done, 0, None, eager=True)
                 msg.notice = (0, reason)
                 self.port.post(peer, msg, 0)
 
-    def _peer_left(self, session: int, reason: str) -> None:
+    def _peer_left(self, session: int, reason: str, lane_done: int = 0) -> None:
         """A peer left (engine context): calls here that wait for it end now, and
         later ones as soon as they would wait for it (SoftCall.resume). What it sent
-        before it left is still received."""
+        before it left is still received, and the first `lane_done` collectives MPI
+        runs (`fabric._lane`) still complete."""
         self.gone[session] = reason
+        self.gone_lane[session] = lane_done
         error = Aborted(f"rank {session} left the world: {reason}")
         for call in list(self._calls):
             if call.waiting is not None and session in call.peers_waited(call.waiting):

@@ -113,7 +113,8 @@ class Inbox:
         self._members: dict[Key, _Member] = {}  # our running collectives, by prefix
         self._seen: dict[Key, tuple[int, Fingerprint]] = {}  # before we joined
         self._failed: dict[Key, Failure] = {}  # notices for collectives we have not joined
-        self.on_leave: Callable[[int, str], None] | None = None  # a peer left its world
+        # a peer left its world (why, and how many collectives MPI ran it through)
+        self.on_leave: Callable[[int, str, int], None] | None = None
         self._on_stream: Callable[[Message], None] | None = None  # see `stream_to`
         self._early_puts: list[Message] = []  # puts that came before the CCLO was there
         self._orders = itertools.count()
@@ -135,7 +136,7 @@ class Inbox:
             return True
         if kind == "leave":
             if self.on_leave is not None and msg.notice is not None:
-                self.on_leave(msg.src, msg.notice[1])
+                self.on_leave(msg.src, msg.notice[1], msg.seq)
             return True
         if kind == "stream":  # one-sided: no rx buffer, no receive; the data is taken now
             if self._on_stream is not None:

@@ -46,6 +46,7 @@ import numpy as np
 
 from .._engine import Engine, Wait
 from ._inbox import Inbox
+from ._lane import Lane
 from ._message import Message
 
 HEADER, ACK, WITHDRAW = 1, 2, 3
@@ -115,6 +116,11 @@ class MPIFabric:
         # else a spinning rank takes the core from the peer whose message it awaits
         self.spins = node.Get_size() <= len(os.sched_getaffinity(0))
         node.Free()
+        # the world's collectives run as MPI collectives, on a communicator of their own
+        self.lane: Lane | None = None
+        if self.size > 1 and os.environ.get("AACCL_MPI_COLLECTIVES", "1") != "0":
+            self.lane = Lane(self.comm.Dup(), self.engine.post)
+        self.world_key = tuple(range(self.size))
         _open.add(self)
         self._thread = threading.Thread(target=self._progress, name=f"aaccl-mpi-{self.rank}",
                                         daemon=True)
@@ -203,10 +209,11 @@ class MPIFabric:
                 self._take(message, status)
             if self._arriving:
                 self._arrivals()
+            lane = self.lane is not None and self.lane.poll()
         except MPI.Exception as error:  # a peer died mid-message: that one is lost
             self._mpi_error(error)
             return False
-        return message is not None
+        return message is not None or lane
 
     def _progress(self) -> None:
         last = time.monotonic()
@@ -222,7 +229,12 @@ class MPIFabric:
             if message:
                 last = time.monotonic()
             else:
-                if self._arriving:  # payloads on their way: poll on, letting threads run
+                if self.lane is not None and self.lane.busy:
+                    # MPI moves a collective's data only while polled: poll on (a
+                    # sleep, even of 0 s, lasts the kernel's timer slack: 50 us)
+                    last = time.monotonic()
+                    os.sched_yield()
+                elif self._arriving:  # payloads on their way: poll on, letting threads run
                     last = time.monotonic()
                     time.sleep(0)
                 else:
@@ -386,11 +398,17 @@ class MPIFabric:
         self._closed = True
         self._thread.join(JOIN_LIMIT)
         _open.discard(self)
+        if self.lane is not None and not self.lane.idle:
+            # a collective MPI will never finish (a peer gave up on it, or is gone):
+            # MPI_Finalize would wait for it
+            done = False
         if not done or self._thread.is_alive():  # a peer is gone, or MPI hangs in here
             watch_exit()
             return
         self._reap()
         self.comm.Free()
+        if self.lane is not None and self.lane.idle:  # (else MPI still matches with it)
+            self.lane.comm.Free()
 
 
 class _Awaited(Wait):
@@ -414,6 +432,15 @@ class MPIPort:
 
     def post(self, dst: int, msg: Message, timeout_code: int) -> Wait | None:
         return self.fabric.post(dst, msg, timeout_code)
+
+    def lane(self, comm_key: object) -> Lane | None:
+        """Where the collectives of communicator `comm_key` (its sessions) go: MPI's
+        collectives for the world's communicator, the messages for any other."""
+        return self.fabric.lane if comm_key == self.fabric.world_key else None
+
+    def lane_done(self) -> int:
+        """How many of the world's collectives MPI is done with here (`Lane.finished`)."""
+        return 0 if self.fabric.lane is None else self.fabric.lane.finished
 
     @property
     def poller(self) -> MPIFabric | None:

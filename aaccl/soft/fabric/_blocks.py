@@ -1,0 +1,136 @@
+"""The opening exchange of a collective run by MPI: what each rank puts in, what it
+makes of everyone's. Pure: no MPI here.
+
+Over MPI every collective of the world's communicator starts with one allgather of
+fixed-size blocks, a block per rank: its call's fingerprint, whether the call was
+aborted or failed before it could run (with why), and, when every rank's share of
+the data fits, the data itself. Fixed size means the exchange can never mismatch in
+MPI's eyes, whatever the ranks called; everyone sees every block, so every rank
+reaches the same verdict: a mismatch or a peer's failure fails the call on all of
+them at once, small data is settled right here (one round trip in all), and larger
+data then moves in one MPI collective matching the call.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+
+import numpy as np
+
+from ..._constants import Scenario
+from ._message import Fingerprint
+
+BLOCK = 512
+"""Bytes per rank in the opening exchange."""
+_HEADER = struct.Struct("<qqqq8s8sqqq")  # state, code, scenario, count, dtype, wire, root, function, size
+INLINE = BLOCK - _HEADER.size
+"""Bytes of data (or of a failure's reason) that ride in a rank's block."""
+
+RUNS, ABORTED, FAILED = 0, 1, 2
+"""A block's state: the call runs; it was aborted (a dependency failed, the world
+was cancelled); it failed with an error code of its own before it ran."""
+
+_NONE = -1
+
+Combine = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
+
+
+def share(fp: Fingerprint, rank: int) -> int:
+    """Elements `rank` contributes to a collective (the root's layout for rooted ones)."""
+    scenario, count, _, _, root, _, size = fp
+    if scenario == Scenario.BARRIER or count is None:
+        return 0
+    if scenario == Scenario.SCATTER:
+        return size * count if rank == root else 0
+    if scenario == Scenario.BCAST:
+        return count if rank == root else 0
+    if scenario in (Scenario.ALLTOALL, Scenario.REDUCE_SCATTER):
+        return size * count
+    return count
+
+
+def fits(fp: Fingerprint) -> bool:
+    """Every rank's share of the data rides in its block (no compression on the wire)."""
+    _, _, dtype, wire, root, _, _ = fp
+    most = share(fp, 0 if root is None else root)  # the root's share is the largest
+    return dtype == wire and most * np.dtype(dtype).itemsize <= INLINE
+
+
+def encode(out: np.ndarray, fp: Fingerprint, data: np.ndarray | None = None,
+           state: int = RUNS, code: int = 0, why: str = "") -> None:
+    """Write a rank's block into `out` (BLOCK bytes): its fingerprint, and its data or
+    the reason its call did not run."""
+    scenario, count, dtype, wire, root, function, size = fp
+    _HEADER.pack_into(out, 0, state, code, scenario, _NONE if count is None else count,
+                      dtype.encode(), wire.encode(), _NONE if root is None else root,
+                      _NONE if function is None else function, size)
+    tail = out[_HEADER.size:]
+    if state != RUNS:
+        text = why.encode()[:INLINE]
+        tail[:len(text)] = np.frombuffer(text, np.uint8)
+        tail[len(text):] = 0
+    elif data is not None and data.nbytes:
+        tail[:data.nbytes] = data.reshape(-1).view(np.uint8)
+
+
+class Block:
+    """A rank's block as read back: its state, error code, fingerprint and tail."""
+
+    __slots__ = ("state", "code", "fp", "tail")
+
+    def __init__(self, raw: np.ndarray) -> None:
+        state, code, scenario, count, dtype, wire, root, function, size = \
+            _HEADER.unpack_from(raw, 0)
+        self.state, self.code = state, code
+        self.fp: Fingerprint = (scenario, None if count == _NONE else count,
+                                dtype.rstrip(b"\0").decode(), wire.rstrip(b"\0").decode(),
+                                None if root == _NONE else root,
+                                None if function == _NONE else function, size)
+        self.tail = raw[_HEADER.size:]
+
+    @property
+    def why(self) -> str:
+        return bytes(self.tail).rstrip(b"\0").decode(errors="replace")
+
+    def data(self, dtype: np.dtype, count: int) -> np.ndarray:
+        return self.tail[:count * dtype.itemsize].view(dtype)
+
+
+def read(gathered: np.ndarray, size: int) -> list[Block]:
+    """Every rank's block from the exchange's receive buffer, in rank order."""
+    return [Block(gathered[k * BLOCK:(k + 1) * BLOCK]) for k in range(size)]
+
+
+def settle(fp: Fingerprint, rank: int, blocks: list[Block], op0: np.ndarray,
+           res: np.ndarray, combine: Combine) -> None:
+    """Complete a collective whose data rode in the blocks: write this rank's result
+    into `op0` (a bcast's) or `res`. Reductions fold contributions in rank order,
+    as the soft CCLO's schedules do."""
+    scenario, count, dtype_str, _, root, _, size = fp
+    if count is None or count == 0:
+        return
+    dtype = np.dtype(dtype_str)
+    parts = [b.data(dtype, share(fp, k)) for k, b in enumerate(blocks)]
+    mine = slice(rank * count, (rank + 1) * count)
+    if scenario == Scenario.BCAST:
+        if rank != root:
+            op0[:count] = parts[root]
+    elif scenario == Scenario.SCATTER:
+        res[:count] = parts[root][mine]
+    elif scenario in (Scenario.GATHER, Scenario.ALLGATHER):
+        if scenario == Scenario.ALLGATHER or rank == root:
+            for k, part in enumerate(parts):
+                res[k * count:(k + 1) * count] = part
+    elif scenario == Scenario.ALLTOALL:
+        for k, part in enumerate(parts):
+            res[k * count:(k + 1) * count] = part[mine]
+    elif scenario in (Scenario.REDUCE, Scenario.ALLREDUCE, Scenario.REDUCE_SCATTER):
+        if scenario == Scenario.REDUCE and rank != root:
+            return
+        if scenario == Scenario.REDUCE_SCATTER:
+            parts = [part[mine] for part in parts]
+        out = res[:count]
+        combine(parts[0], parts[1], out) if size > 1 else np.copyto(out, parts[0])
+        for part in parts[2:]:
+            combine(out, part, out)

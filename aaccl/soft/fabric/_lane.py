@@ -1,0 +1,316 @@
+"""The world's collectives over MPI, run by MPI's own collectives.
+
+MPI matches collectives by their order on a communicator, so whatever becomes of
+their calls, every rank must start the same MPI collectives in the same order. The
+lane takes the world communicator's collectives in submission order (the same on
+every rank of a program whose ranks call the same collectives) and starts a call's
+opening exchange (`_blocks`: fingerprints, maybe the data) only once the call
+before it has started all its MPI collectives: the opening must be over before
+anyone knows whether a transfer follows. A call still waiting for its dependencies
+holds back the calls after it, as on a card, where calls run one after another.
+
+A call that never runs still takes its turn, with a block that says why, so its
+peers' calls fail at once with that reason. An MPI collective cannot be withdrawn:
+a call that ends while MPI works on it (its timeout, a cancelled world) leaves it
+to finish in the background, its buffers kept alive. Until such an opening ends
+(a late peer comes), the calls queued behind it fail at once, each still taking its
+turn later; if it never ends, neither does the lane, and nothing waits on it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..._constants import ErrorCode, ReduceFunction, Scenario
+from .._engine import Wait
+from ._blocks import BLOCK, RUNS, read
+from ._message import Fingerprint
+
+RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
+_TYPED = frozenset({"<f4", "<f8", "<i4", "<i8"})
+_REDUCING = frozenset({Scenario.REDUCE, Scenario.ALLREDUCE, Scenario.REDUCE_SCATTER})
+
+Post = Callable[..., None]
+
+OPENING_SPIN = 0.0
+"""Seconds after an opening starts during which whoever polls does so without a nap:
+the peers are usually close behind (the round trip of MPI's allgather)."""
+
+
+def runs_natively(fp: Fingerprint) -> bool:
+    """Whether an MPI collective can move this collective's data (after the opening):
+    no compression on the wire, and for reductions a type and function MPI has."""
+    scenario, _, dtype, wire, _, function, _ = fp
+    if dtype != wire or scenario == Scenario.BARRIER:
+        return False
+    if scenario in _REDUCING:
+        return dtype in _TYPED and function in (ReduceFunction.SUM, ReduceFunction.MAX)
+    return True
+
+
+class Turn(Wait):
+    """A call waits for its turn in the lane: for this rank's earlier collectives,
+    which is no peer's fault, so there is no deadline (set with a CallFailed if the
+    call before it was given up while MPI still matched it)."""
+
+    __slots__ = ()
+
+    def expire(self) -> bool:
+        return True  # the call takes its turn all the same, as a withdrawn one
+
+
+class Matched(Wait):
+    """An MPI collective in flight; ending the call leaves it to finish alone."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__(RECEIVE_TIMEOUT)
+
+    def expire(self) -> bool:
+        return True
+
+
+class Op:
+    """One collective call's place in the lane."""
+
+    __slots__ = ("index", "block", "transfer", "turn", "opening", "moved", "gathered",
+                 "issued", "gone", "finished")
+
+    def __init__(self, index: int) -> None:
+        self.index = index  # its place in the lane: the same on every rank
+        self.block: np.ndarray | None = None  # set when the call starts or is withdrawn
+        self.transfer: Callable[[], Any] | None = None  # starts the data's MPI collective
+        self.turn, self.opening, self.moved = Turn(), Matched(), Matched()
+        self.gathered: np.ndarray | None = None
+        self.issued = False  # its opening has started
+        self.gone = False  # its call ended while MPI still had its opening
+        self.finished = False  # MPI is done with all of it
+
+
+class Lane:
+    """The world communicator's collectives of one process, in MPI's order."""
+
+    def __init__(self, comm: Any, post: Post) -> None:
+        self.comm, self.size, self._post = comm, comm.Get_size(), post
+        self._lock = threading.Lock()
+        self._queue: deque[Op] = deque()  # admitted, opening not started yet
+        self._opening: tuple[Any, Op] | None = None  # in flight: holds the lane back
+        self._moving: list[tuple[Any, Op]] = []  # transfers in flight
+        self._order: deque[Op] = deque()  # not finished yet, in lane order
+        self._admitted = 0
+        self._spin_until = 0.0
+        self.stuck = ""  # why calls behind the opening in flight fail now, if they do
+
+    # -- engine context -------------------------------------------------------------
+
+    def admit(self) -> Op:
+        """A collective was submitted: its place, in submission order."""
+        with self._lock:
+            op = Op(self._admitted)
+            self._admitted += 1
+            self._queue.append(op)
+            self._order.append(op)
+        return op
+
+    @property
+    def finished(self) -> int:
+        """How many of the lane's collectives MPI is done with, from the first on: a
+        rank that leaves its world tells its peers, whose calls of the later ones
+        then fail at once (it takes no part in them), while MPI completes the others."""
+        order = self._order
+        return order[0].index if order else self._admitted
+
+    def start(self, op: Op, block: np.ndarray, transfer: Callable[[], Any] | None) -> None:
+        """The call runs: its block is ready, and so is its data's transfer (if the
+        opening agrees on one)."""
+        self._update(op, block, transfer)
+
+    def withdraw(self, op: Op, block: np.ndarray) -> None:
+        """The call will not run (or gave up before its turn): it takes its turn with
+        `block`, which says why; a call whose opening is in flight is left to it."""
+        self._update(op, block, None, withdrawn=True)
+
+    def _update(self, op: Op, block: np.ndarray, transfer: Callable[[], Any] | None,
+                withdrawn: bool = False) -> None:
+        events: list[tuple[Post, tuple[Any, ...]]] = []
+        with self._lock:
+            if op.issued:
+                op.gone = op.gone or withdrawn
+            else:
+                op.block, op.transfer = block, transfer
+                if self.stuck:  # has the late peer come meanwhile?
+                    self._test(events)
+                if self.stuck and not withdrawn:
+                    events.append((op.turn.set, (self.stuck,)))
+                self._pump(events)
+        self._emit(events)
+
+    # -- any thread -----------------------------------------------------------------
+
+    def poll(self) -> bool:
+        """Test what is in flight; True if anything ended."""
+        if self._opening is None and not self._moving:
+            return False
+        events: list[tuple[Post, tuple[Any, ...]]] = []
+        with self._lock:
+            came = self._test(events)
+        self._emit(events)
+        return came
+
+    @property
+    def busy(self) -> bool:
+        """MPI moves a collective's data (only while polled), or has just started an
+        opening: whoever polls should not nap. (Past OPENING_SPIN, an opening waits
+        for peers who may be far behind: polling on would take a core from them.)"""
+        return bool(self._moving) or (self._opening is not None
+                                      and time.monotonic() < self._spin_until)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or in flight: the communicator may be freed."""
+        return not self._queue and self._opening is None and not self._moving
+
+    # -- with the lock ----------------------------------------------------------------
+
+    def _emit(self, events: list[tuple[Post, tuple[Any, ...]]]) -> None:
+        for fn, args in events:
+            self._post(fn, *args)
+
+    def _pump(self, events: list[tuple[Post, tuple[Any, ...]]]) -> None:
+        """Start openings, in order, while the head's block is ready."""
+        while self._opening is None and self._queue and self._queue[0].block is not None:
+            op = self._queue.popleft()
+            op.issued = True
+            op.gathered = np.empty(self.size * BLOCK, np.uint8)
+            try:
+                request = self.comm.Iallgather(op.block, op.gathered)
+            except Exception as error:  # MPI failed (a peer died)
+                events.append((op.turn.set, (None,)))
+                events.append((op.opening.set, (str(error),)))
+                self._finish(op)
+                continue
+            self._opening = (request, op)
+            self._spin_until = time.monotonic() + OPENING_SPIN
+            events.append((op.turn.set, (None,)))
+
+    def _test(self, events: list[tuple[Post, tuple[Any, ...]]]) -> bool:
+        came = False
+        if self._moving:
+            still = []
+            for request, op in self._moving:
+                try:
+                    done = request.Test()
+                except Exception as error:
+                    events.append((op.moved.set, (str(error),)))
+                    self._finish(op)
+                    continue
+                if done:
+                    events.append((op.moved.set, (None,)))
+                    self._finish(op)
+                    came = True
+                else:
+                    still.append((request, op))
+            self._moving = still
+        if self._opening is not None:
+            request, op = self._opening
+            try:
+                done = request.Test()
+            except Exception as error:
+                self._opening, self.stuck = None, ""
+                events.append((op.opening.set, (str(error),)))
+                self._finish(op)
+                self._pump(events)
+                return True
+            if done:
+                self._opened(op, events)
+                self._pump(events)
+                came = True
+        return came
+
+    def _opened(self, op: Op, events: list[tuple[Post, tuple[Any, ...]]]) -> None:
+        """An opening ended: start its transfer if every block agrees on one."""
+        self._opening, self.stuck = None, ""
+        assert op.gathered is not None
+        blocks = read(op.gathered, self.size)
+        first = blocks[0]
+        agreed = all(b.state == RUNS and b.fp == first.fp for b in blocks)
+        moving = False
+        if agreed and op.transfer is not None:
+            moving = True
+            try:
+                self._moving.append((op.transfer(), op))
+            except Exception as error:  # (a peer died)
+                events.append((op.moved.set, (str(error),)))
+                self._finish(op)
+        op.transfer = None
+        if not moving:
+            self._finish(op)
+        events.append((op.opening.set, ((blocks, moving),)))
+
+    def _finish(self, op: Op) -> None:
+        op.finished = True
+        op.block = op.gathered = None
+        order = self._order
+        while order and order[0].finished:
+            order.popleft()
+
+    def abandoned(self, op: Op, why: str) -> None:
+        """The call ended while its opening is in flight: the calls queued behind it
+        fail at once (`why`), until a late peer completes the opening."""
+        events: list[tuple[Post, tuple[Any, ...]]] = []
+        with self._lock:
+            op.gone = True
+            if self._opening is not None and self._opening[1] is op:
+                self.stuck = why
+                for queued in self._queue:
+                    if queued.block is not None:
+                        events.append((queued.turn.set, (why,)))
+        self._emit(events)
+
+
+
+def transfer(comm: Any, fp: Fingerprint, rank: int, op0: np.ndarray | None,
+             res: np.ndarray | None) -> Callable[[], Any]:
+    """What starts the MPI collective that moves a call's data (`runs_natively`):
+    `op0` and `res` are the call's operand and result in device memory, as far as
+    the call reaches into them. An operand that overlaps the result (in place) is
+    copied first: MPI forbids aliased buffers."""
+    from mpi4py import MPI
+
+    scenario, count, _, _, root, function, size = fp
+    assert count is not None
+    n = size * count if scenario in (Scenario.SCATTER, Scenario.ALLTOALL,
+                                     Scenario.REDUCE_SCATTER) else count
+    send = None if op0 is None else op0[:n]
+    recv = res
+    if send is not None and recv is not None and np.may_share_memory(send, recv):
+        send = send.copy()
+    if scenario in _REDUCING:
+        op = MPI.SUM if function == ReduceFunction.SUM else MPI.MAX
+        if scenario == Scenario.ALLREDUCE:
+            return lambda: comm.Iallreduce(send, recv, op)
+        if scenario == Scenario.REDUCE:
+            return lambda: comm.Ireduce(send, recv if rank == root else None, op, root)
+        return lambda: comm.Ireduce_scatter_block(send, recv, op)
+
+    def raw(array: np.ndarray | None) -> Any:  # moved as bytes, whatever the dtype
+        return None if array is None else array.reshape(-1).view(np.uint8)
+
+    if scenario == Scenario.BCAST:
+        return lambda: comm.Ibcast(raw(op0[:count] if op0 is not None else None), root)
+    if scenario == Scenario.SCATTER:
+        return lambda: comm.Iscatter(raw(send) if rank == root else None, raw(recv), root)
+    if scenario == Scenario.GATHER:
+        return lambda: comm.Igather(raw(send), raw(recv) if rank == root else None, root)
+    if scenario == Scenario.ALLGATHER:
+        return lambda: comm.Iallgather(raw(send), raw(recv))
+    if scenario == Scenario.ALLTOALL:
+        return lambda: comm.Ialltoall(raw(send), raw(recv))
+    raise ValueError(f"no MPI collective for {Scenario(scenario).name}")
