@@ -57,15 +57,23 @@ class Poller:
         self.parks += 1
 
 
-async def test_an_answer_found_by_polling_resumes_the_task_without_parking() -> None:
+@pytest.fixture
+def patient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tasks poll until answered, however slow the machine: one that parked after its
+    2 ms would wait for an answer that only a poll gives."""
+    monkeypatch.setattr(_bridge, "POLL_FOR", 60.0)
+
+
+async def test_an_answer_found_by_polling_resumes_the_task_without_parking(patient: None) -> None:
     event = Event()
     poller = Poller(event, answer_at=5)
-    await _bridge.wait(event.register, poller)
+    with anyio.fail_after(30):
+        await _bridge.wait(event.register, poller)
     assert poller.polls == 5 and poller.parks == 0
     assert poller.threads == {threading.get_ident()}  # polled on the loop's thread
 
 
-async def test_polling_yields_to_the_other_tasks() -> None:
+async def test_polling_yields_to_the_other_tasks(patient: None) -> None:
     event = Event()
     poller = Poller(event, answer_at=None)
     seen: list[int] = []
@@ -76,9 +84,10 @@ async def test_polling_yields_to_the_other_tasks() -> None:
         seen.append(poller.polls)
         event.fire()
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(other)
-        await _bridge.wait(event.register, poller)
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(other)
+            await _bridge.wait(event.register, poller)
     assert seen and seen[0] >= 3 and poller.parks == 0
 
 
@@ -124,5 +133,10 @@ async def test_cancelling_a_waiting_task_leaves_a_later_wake_harmless(while_: st
     assert scope.cancelled_caught
     event.fire()  # nobody waits any more: no error, no resumed task
     await anyio.sleep(0)
-    later = Event()  # the task waits again, as usual
-    await _bridge.wait(later.register, Poller(later, answer_at=2))
+    later = Event()  # the task waits again, as usual (and answers its own second poll)
+    _bridge.POLL_FOR, before = 60.0, _bridge.POLL_FOR
+    try:
+        with anyio.fail_after(30):
+            await _bridge.wait(later.register, Poller(later, answer_at=2))
+    finally:
+        _bridge.POLL_FOR = before
