@@ -38,7 +38,7 @@ _REDUCING = frozenset({Scenario.REDUCE, Scenario.ALLREDUCE, Scenario.REDUCE_SCAT
 
 Post = Callable[..., None]
 
-OPENING_SPIN = 0.0
+OPENING_SPIN = 0.002
 """Seconds after an opening starts during which whoever polls does so without a nap:
 the peers are usually close behind (the round trip of MPI's allgather)."""
 
