@@ -485,6 +485,22 @@ async def test_soft_still(accl):
     result = tests.runpytest(*QUIET)
     result.assert_outcomes(passed=2)
     assert not _running(f"--tag {tmp_path} "), "the emulator's ranks outlived the test"
+    assert {(tmp_path / f"stack.{r}").read_text() for r in range(2)} == {"tcp"}
+
+
+@needs_zmq
+@pytest.mark.parametrize("stack,flag", [("udp", "udp"), ("rdma", "cyt_rdma")])
+def test_the_emulator_runs_the_world_s_stack(tests: pytest.Pytester, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch, stack: str,
+                                             flag: str) -> None:
+    binary = tmp_path / "cclo_emu"
+    fake = Path(__file__).resolve().parent / "fakes" / "cclo_emu.py"
+    binary.write_text(f"#!/bin/sh\nexec {sys.executable} {fake} --tag {tmp_path} \"$@\"\n")
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("AACCL_EMULATOR", str(binary))
+    write(tests, EMULATOR_TEST.format(port=f", stack={stack!r}"))
+    tests.runpytest(*QUIET).assert_outcomes(passed=1)
+    assert {(tmp_path / f"stack.{r}").read_text() for r in range(2)} == {flag}
 
 
 @needs_zmq

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .._errors import DeviceError
-from ..devices._emulator import DEFAULT_PORT, EmulatorDevice, available
+from ..devices._emulator import DEFAULT_PORT, PROTOCOLS, EmulatorDevice, available
 
 START_WITHIN = 60.0  # seconds the emulator's ranks may take to answer (they sleep on purpose)
 VARIABLE = "AACCL_EMULATOR"
@@ -69,8 +69,9 @@ def _free_ports(n: int) -> int:
 
 @contextlib.contextmanager
 def started(size: int, protocol: str = "tcp") -> Iterator[int]:
-    """Run `size` ranks of the AACCL_EMULATOR binary on free ports; yield their start
-    port once every rank answers; stop them after."""
+    """Run `size` ranks of the AACCL_EMULATOR binary on free ports with the network
+    stack `protocol` ("tcp", "udp", "rdma"); yield their start port once every rank
+    answers; stop them after."""
     path = binary()
     assert path is not None
     port = _free_ports(4 * size)
@@ -80,7 +81,7 @@ def started(size: int, protocol: str = "tcp") -> Iterator[int]:
             for rank in range(size):
                 with open(Path(logs) / f"cclo_emu.{rank}.log", "wb") as log:
                     procs.append(subprocess.Popen(
-                        [path, "-s", str(size), "-r", str(rank), "-p", str(port), "-c", protocol,
+                        [path, "-s", str(size), "-r", str(rank), "-p", str(port), "-c", PROTOCOLS[protocol],
                          "-l", "0"], stdout=log, stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL))
             _wait_until_answering(procs, port, protocol, Path(logs))

@@ -165,7 +165,8 @@ def _aaccl_world(request: pytest.FixtureRequest) -> Iterator[Plan]:
     if _emulator.binary() is None or checked.mpi:
         yield checked  # the one already running (under mpiexec, always: one per job)
         return
-    with _emulator.started(checked.world_size, options.get("emulator_protocol", "tcp")) as port:
+    stack = options.get("stack") or options.get("emulator_protocol") or "tcp"
+    with _emulator.started(checked.world_size, stack) as port:
         yield Plan(**{**checked.__dict__, "options": {**options, "emulator_port": port}})
 
 
