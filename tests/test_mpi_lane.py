@@ -39,3 +39,16 @@ def test_a_rank_that_gave_up_and_ended() -> None:
     out = job.stdout + job.stderr
     assert "rank=0 suite=gave_up" in out and "waited 0.5 s for MPI's allgather" in out, job.explain()
     assert "rank=1 suite=gave_up" in out and "rank 0's allreduce" in out, job.explain()
+
+
+def test_a_rank_that_left_fails_every_later_collective_at_once() -> None:
+    """Rank 0's program raises with a collective pending: rank 1's collectives from
+    then on fail at once with Aborted naming rank 0 (those MPI can never complete are
+    not started), and both processes end."""
+    job = launch(2, "lane.py", "left", "timeout=10", limit=60)
+    assert job.returncode != 0, job.explain()
+    out = job.stdout + job.stderr
+    assert "rank 0 gives up" in out, job.explain()
+    for i in range(3):
+        assert f"lane-left rank=1 call={i} " in out, job.explain()
+    assert job.seconds < 20, job.explain()

@@ -705,9 +705,13 @@ class ScheduleCall(SoftCall):
         lane.start(op, block, moves)
         try:
             why = op.turn.value if op.turn.done else (yield op.turn)
+            if isinstance(why, Aborted):  # a peer left the world: it never runs
+                raise CallFailed(RECEIVE_TIMEOUT, str(why), error=why)
             if why:
                 raise CallFailed(RECEIVE_TIMEOUT, why)
             opened = op.opening.value if op.opening.done else (yield op.opening)
+            if isinstance(opened, Aborted):
+                raise CallFailed(RECEIVE_TIMEOUT, str(opened), error=opened)
         except CallFailed as failed:
             if not self.failure and self.aborting is None and failed.code == RECEIVE_TIMEOUT:
                 self._leave_lane(failed.code, failed.detail, timed_out=True)
@@ -722,6 +726,8 @@ class ScheduleCall(SoftCall):
         if not moving:
             return False
         error = op.moved.value if op.moved.done else (yield op.moved)
+        if isinstance(error, Aborted):
+            raise CallFailed(RECEIVE_TIMEOUT, str(error), error=error)
         if error:
             raise CallFailed(ErrorCode.DMA_INTERNAL_ERROR, f"MPI failed: {error}")
         return True

@@ -312,6 +312,9 @@ class SoftDevice:
         for call in list(self._calls):
             if call.waiting is not None and session in call.peers_waited(call.waiting):
                 call.abort_now(error)
+        peer_left = getattr(self.port, "peer_left", None)
+        if peer_left is not None:  # the world's collectives from there on never run
+            peer_left(lane_done, str(error))
 
     def abort_call(self, handle: DeviceCall, reason: str) -> None:
         """End one outstanding call (by its handle) with `Aborted(reason)`."""

@@ -17,6 +17,9 @@ Suites:
   gave_up   (timeout=0.5, 2 ranks) rank 0's allreduce times out and its program
             ends with that error while rank 1 sleeps; rank 1 then comes: both
             processes end soon with their errors (fails, by design).
+  left      (timeout=10, 2 ranks) rank 0's program raises with an allreduce still
+            waiting for its dependency; rank 1's next three collectives (small and
+            large) each fail at once, saying rank 0 left (fails, by design).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 
 import anyio
 import numpy as np
-from _harness import Checks, run_suite
+from _harness import Checks, run_suite, say
 
 import aaccl
 from aaccl import ReduceFunction
@@ -189,5 +192,20 @@ async def gave_up(checks: Checks, accl: aaccl.ACCL) -> None:
     await accl.allreduce(src, dst, 4, SUM)
 
 
+async def left(checks: Checks, accl: aaccl.ACCL) -> None:
+    src, dst = accl.allocate(4000, np.float32), accl.allocate(4000, np.float32)
+    await accl.allreduce(src, dst, 4000, SUM)
+    checks()
+    if accl.rank == 0:  # an allreduce waits for a message nobody sends, and we give up
+        accl.allreduce(src, dst, 4000, SUM, waitfor=[accl.recv(dst, 1, 1, tag=3)])
+        raise RuntimeError("rank 0 gives up")
+    for i, count in enumerate((4000, 4, 4000)):
+        exc = await failing(f"collective {i} after rank 0 left",
+                            accl.allreduce(src, dst, count, SUM), "rank 0")
+        assert isinstance(exc, aaccl.Aborted), exc
+        say(f"lane-left rank=1 call={i} {exc}")
+
+
 if __name__ == "__main__":
-    run_suite({"verdicts": verdicts, "late": late, "many": many, "gave_up": gave_up})
+    run_suite({"verdicts": verdicts, "late": late, "many": many, "gave_up": gave_up,
+               "left": left})

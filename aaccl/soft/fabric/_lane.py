@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..._constants import ErrorCode, ReduceFunction, Scenario
+from ..._errors import Aborted
 from .._engine import Wait
 from ._blocks import BLOCK, RUNS, read
 from ._message import Fingerprint
@@ -107,6 +108,9 @@ class Lane:
         self._admitted = 0
         self._spin_until = 0.0
         self.stuck = ""  # why calls behind the opening in flight fail now, if they do
+        self._dead_from: int | None = None  # a peer left: no collective from here on runs
+        self._dead_why: Aborted | None = None
+        self._graveyard: list[tuple[Any, Op]] = []  # MPI holds them (and their buffers)
 
     # -- engine context -------------------------------------------------------------
 
@@ -175,7 +179,29 @@ class Lane:
     @property
     def idle(self) -> bool:
         """Nothing queued or in flight: the communicator may be freed."""
-        return not self._queue and self._opening is None and not self._moving
+        return (not self._queue and self._opening is None and not self._moving
+                and not self._graveyard)
+
+    def left(self, index: int, why: Aborted) -> None:
+        """A peer left the world once MPI had finished the lane's first `index`
+        collectives there: the later ones can never complete. Those in flight fail
+        now (MPI keeps them, never to finish), and every later call fails as soon as
+        its turn comes, with `why`, with nothing started in MPI."""
+        events: list[tuple[Post, tuple[Any, ...]]] = []
+        with self._lock:
+            if self._dead_from is None or index < self._dead_from:
+                self._dead_from, self._dead_why = index, why
+            if self._opening is not None and self._opening[1].index >= index:
+                self._graveyard.append(self._opening)
+                events.append((self._opening[1].opening.set, (why,)))
+                self._opening, self.stuck = None, ""
+            hopeless = [(r, op) for r, op in self._moving if op.index >= index]
+            if hopeless:
+                self._moving = [(r, op) for r, op in self._moving if op.index < index]
+                self._graveyard += hopeless
+                events += [(op.moved.set, (why,)) for _, op in hopeless]
+            self._pump(events)
+        self._emit(events)
 
     # -- with the lock ----------------------------------------------------------------
 
@@ -188,6 +214,10 @@ class Lane:
         while self._opening is None and self._queue and self._queue[0].block is not None:
             op = self._queue.popleft()
             op.issued = True
+            if self._dead_from is not None and op.index >= self._dead_from:
+                events.append((op.turn.set, (self._dead_why,)))  # no peer would match it
+                self._finish(op)
+                continue
             op.gathered = np.empty(self.size * BLOCK, np.uint8)
             try:
                 request = self.comm.Iallgather(op.block, op.gathered)

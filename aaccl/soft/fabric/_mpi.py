@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._errors import Aborted
 from .._engine import Engine, Wait
 from ._inbox import Inbox
 from ._lane import Lane
@@ -437,6 +438,12 @@ class MPIPort:
         """Where the collectives of communicator `comm_key` (its sessions) go: MPI's
         collectives for the world's communicator, the messages for any other."""
         return self.fabric.lane if comm_key == self.fabric.world_key else None
+
+    def peer_left(self, lane_done: int, why: str) -> None:
+        """A peer left the world after MPI finished `lane_done` of the world's
+        collectives there (`Lane.left`)."""
+        if self.fabric.lane is not None:
+            self.fabric.lane.left(lane_done, Aborted(why))
 
     def lane_done(self) -> int:
         """How many of the world's collectives MPI is done with here (`Lane.finished`)."""
