@@ -133,8 +133,12 @@ class Lane:
 
     def start(self, op: Op, block: np.ndarray, transfer: Callable[[], Any] | None) -> None:
         """The call runs: its block is ready, and so is its data's transfer (if the
-        opening agrees on one)."""
+        opening agrees on one). In engine context, from the call itself: if its
+        opening started right away, its turn is over before it waits for it (no
+        event for that)."""
         self._update(op, block, transfer)
+        if op.issued and op.turn.waiter is None and not op.finished:
+            op.turn.set(None)  # (the event posted for it finds it done)
 
     def withdraw(self, op: Op, block: np.ndarray) -> None:
         """The call will not run (or gave up before its turn): it takes its turn with
