@@ -82,7 +82,7 @@ class Op:
     """One collective call's place in the lane."""
 
     __slots__ = ("index", "block", "transfer", "turn", "opening", "moved", "gathered",
-                 "issued", "gone", "finished")
+                 "issued", "finished")
 
     def __init__(self, index: int) -> None:
         self.index = index  # its place in the lane: the same on every rank
@@ -91,7 +91,6 @@ class Op:
         self.turn, self.opening, self.moved = Turn(), Matched(), Matched()
         self.gathered: np.ndarray | None = None
         self.issued = False  # its opening has started
-        self.gone = False  # its call ended while MPI still had its opening
         self.finished = False  # MPI is done with all of it
 
 
@@ -149,9 +148,7 @@ class Lane:
                 withdrawn: bool = False) -> None:
         events: list[tuple[Post, tuple[Any, ...]]] = []
         with self._lock:
-            if op.issued:
-                op.gone = op.gone or withdrawn
-            else:
+            if not op.issued:  # (else MPI has its opening, and its turn is over)
                 op.block, op.transfer = block, transfer
                 if self.stuck:  # has the late peer come meanwhile?
                     self._test(events)
@@ -300,7 +297,6 @@ class Lane:
         fail at once (`why`), until a late peer completes the opening."""
         events: list[tuple[Post, tuple[Any, ...]]] = []
         with self._lock:
-            op.gone = True
             if self._opening is not None and self._opening[1] is op:
                 self.stuck = why
                 for queued in self._queue:
