@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ import pytest
 
 import aaccl
 from aaccl import ErrorCode, ReduceFunction
+from aaccl.testing._emulator import _free_ports
 from conftest import DTYPES
 from test_collectives import OPS, REDUCING, ROOTED, assert_result, check_op, fold, inputs_of
 
@@ -35,20 +35,6 @@ pytest.importorskip("zmq", reason="the emulator device needs pyzmq: pip install 
 
 SUM, MAX = ReduceFunction.SUM, ReduceFunction.MAX
 OPTIONS: dict[str, Any] = {"nbufs": 8, "bufsize": 1024, "timeout": 30.0}
-
-
-def _free_ports(n: int) -> int:
-    """A start port with `n` free ports after it (the emulator binds 4 per rank)."""
-    for base in range(23000, 60000, 97):
-        try:
-            with contextlib.ExitStack() as stack:
-                for port in range(base, base + n):
-                    s = stack.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port range for the emulator")
 
 
 @contextlib.contextmanager
