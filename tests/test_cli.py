@@ -8,8 +8,11 @@ import io
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ import aaccl
 import aaccl.cli
 from aaccl.cli import command, main
 from aaccl.cli._launch import SHIM, job_status
+from aaccl.cli._statuses import VARIABLE, Board, Launcher, launcher_addresses, parse
 from aaccl.cli._rank import WholeLines
 
 RANK = [sys.executable, "-c", SHIM]  # each rank records its exit status
@@ -93,14 +97,88 @@ def test_launch_without_a_program_is_a_usage_error(argv: list[str], says: str | 
 
 def test_job_status_prefers_the_ranks_own_statuses() -> None:
     assert job_status(255, [0, 7], 2) == 7  # hydra's own error hides the rank's status
+    assert job_status(255, [0, 0, 0], 3) == 0  # hydra failed tearing a good job down
     assert job_status(0, [0, 0, 0], 3) == 0
-    assert job_status(9, [1, 1], 3) == 9  # a rank died without a status: the launcher's
-    assert job_status(0, [0], 2) == 1  # missing a status is never success
-    # with a hostfile, ranks on other machines cannot record theirs here
-    assert job_status(0, [], 2, other_machines=True) == 0
-    assert job_status(0, [0], 2, other_machines=True) == 0
-    assert job_status(1, [0], 2, other_machines=True) == 1
-    assert job_status(0, [137], 2, other_machines=True) == 137
+    # a rank that did not report (its supervisor killed, the launcher unreachable
+    # from its machine): the launcher's status stands beside the reported ones
+    assert job_status(9, [1, 1], 3) == 9
+    assert job_status(0, [], 2) == 0
+    assert job_status(1, [0], 2) == 1
+    assert job_status(0, [137], 2) == 137
+
+
+def test_a_rank_finds_the_launcher_where_hydras_proxy_did() -> None:
+    proxy = ["hydra_pmi_proxy", "--control-port", "10.9.0.1:40000", "--rmk", "user"]
+    assert list(launcher_addresses(proxy, "head")) == ["10.9.0.1", "head", "localhost"]
+    ipv6 = ["hydra_pmi_proxy", "--control-port", "[fd00::1]:40000"]
+    assert next(launcher_addresses(ipv6, "head")) == "fd00::1"
+    assert list(launcher_addresses(["mpirun"], "head")) == ["head", "localhost"]
+    assert list(launcher_addresses(["x", "--control-port"], "head")) == ["head", "localhost"]
+
+
+@pytest.mark.parametrize(("line", "parsed"), [
+    (b"tok hello 3", ("hello", 3, 0)), (b"tok status 0 137", ("status", 0, 137)),
+    (b"tok status 2 300", ("status", 2, 300 & 0xFF)),
+    (b"other hello 3", None), (b"tok hello -1", None), (b"tok status 1", None),
+    (b"tok hello 1 2", None), (b"tok bye 1 2", None), (b"", None),
+    (b"GET / HTTP/1.1\r", None), (b"\xff\xfe hello 2", None),
+])
+def test_only_a_message_with_the_launchers_token_counts(line: bytes, parsed: object) -> None:
+    assert parse("tok", line) == parsed
+
+
+def _connect(board: Board, rank: int, monkeypatch: pytest.MonkeyPatch) -> Launcher:
+    for name, value in board.env.items():
+        monkeypatch.setenv(name, value)
+    launcher = Launcher.connect(rank, os.getpid())
+    assert launcher is not None
+    return launcher
+
+
+def _reported(board: Board, count: int) -> list[int]:
+    """The statuses once `count` are in (the board's thread takes them as they come)."""
+    deadline = time.monotonic() + 10
+    while len(got := board.statuses(grace=0.05)) < count and time.monotonic() < deadline:
+        pass
+    return sorted(got)
+
+
+def test_the_board_holds_every_rank_until_all_reported(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A supervisor that reported waits (its machine's proxy lives on) until every
+    rank has reported, or dropped its connection; strangers count for nothing."""
+    with Board(4) as board:
+        port = int(board.env[VARIABLE].split(":")[0])
+        with socket.create_connection(("localhost", port)) as stranger:
+            stranger.sendall(b"0 hello 0\n0 status 0 0\n")
+        with socket.create_connection(("localhost", port)):
+            pass  # connects and says nothing
+        ranks = [_connect(board, rank, monkeypatch) for rank in range(4)]
+        finished: list[int] = []
+        threads = [threading.Thread(target=lambda r=r, l=l: (l.finish(r * 7), finished.append(r)))
+                   for r, l in enumerate(ranks[:3])]
+        for t in threads:
+            t.start()
+        assert _reported(board, 3) == [0, 7, 14]
+        assert finished == []  # held: rank 3 still runs
+        ranks[3]._conn.close()  # rank 3's supervisor killed: it will never report
+        for t in threads:
+            t.join(timeout=10)
+        assert sorted(finished) == [0, 1, 2]
+        assert sorted(board.statuses()) == [0, 7, 14]
+    monkeypatch.delenv(VARIABLE)
+    assert Launcher.connect(0, os.getpid()) is None  # not under aaccl launch
+
+
+def test_a_board_that_closes_lets_its_ranks_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mpiexec ended (or the launcher was interrupted) before every rank reported."""
+    with Board(2) as board:
+        launcher = _connect(board, 0, monkeypatch)
+        waiting = threading.Thread(target=launcher.finish, args=(3,))
+        waiting.start()
+        assert _reported(board, 1) == [3]
+    waiting.join(timeout=10)
+    assert not waiting.is_alive()
 
 
 def test_bad_arguments_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> None:

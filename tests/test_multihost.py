@@ -325,8 +325,8 @@ def test_killed_rank_on_one_host_is_reported_by_every_survivor(cluster: Any,
                                                                killed: Job) -> None:
     """As on one machine: every survivor, on every host, fails with
     RECEIVE_TIMEOUT_ERROR (or learns of a peer's) within about the timeout, and
-    none dies of a signal: hydra's status for the job, which combines the ranks'
-    bitwise, is the victim's 137 (a survivor's 1 adds no bit; a crash's 139 does)."""
+    none dies of a signal: the job's status, the worst rank's (every rank reports
+    its own to `aaccl launch`), is the victim's 137 (a survivor's crash would be 139)."""
     victim = cluster.size - 1
     assert_timed_out(killed, [r for r in range(cluster.size) if r != victim])
     assert killed.returncode == 128 + signal.SIGKILL, killed.explain()

@@ -7,11 +7,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from ._rank import WHOLE_LINES
+from ._statuses import Board
 
 
 def find_mpiexec(explicit: str | None = None) -> str:
@@ -71,17 +71,14 @@ def command(mpiexec: str, nprocs: int, program: Sequence[str], hostfile: str | N
     return cmd + shim + list(program)
 
 
-def job_status(launcher: int, recorded: Sequence[int], nprocs: int,
-               other_machines: bool = False) -> int:
+def job_status(launcher: int, reported: Sequence[int], nprocs: int) -> int:
     """The job's exit status: the worst of the ranks' own statuses when every rank
-    recorded one (128 + N for a program killed by signal N); otherwise (a supervisor
-    itself was killed) the launcher's. Ranks on `other_machines` (a hostfile) record
-    nothing here: the launcher's status stands for theirs."""
-    if len(recorded) == nprocs:
-        return max(recorded)
-    if other_machines:
-        return max([launcher, *recorded])
-    return launcher or 1
+    reported one (128 + N for a program killed by signal N); otherwise (a supervisor
+    itself was killed, or could not reach the launcher) the worst of those and the
+    launcher's."""
+    if len(reported) == nprocs:
+        return max(reported)
+    return max([launcher, *reported])
 
 
 def launch(nprocs: int, program: Sequence[str], hostfile: str | None = None,
@@ -89,15 +86,20 @@ def launch(nprocs: int, program: Sequence[str], hostfile: str | None = None,
     """Run the ranks; return the job's exit status (see `job_status`)."""
     exe = find_mpiexec(mpiexec)
     cmd = command(exe, nprocs, program, hostfile, is_hydra(exe), prepend_rank)
-    with tempfile.TemporaryDirectory(prefix="aaccl-launch-") as statuses:
-        env = {**os.environ, "AACCL_LAUNCH_STATUS": statuses}
+    with Board(nprocs) as board:
         # With SIGPIPE ignored (as in Python), hydra sees EPIPE when it writes to the
         # proxy of a rank that already exited, instead of dying of the signal.
-        proc = subprocess.Popen(cmd, env=env, restore_signals=False)
+        proc = subprocess.Popen(cmd, env={**os.environ, **board.env}, restore_signals=False)
         try:
             code = proc.wait()
         except KeyboardInterrupt:
             proc.send_signal(signal.SIGINT)
             code = proc.wait()
-        recorded = [int(f.read_text()) for f in Path(statuses).iterdir()]
-    return job_status(128 - code if code < 0 else code, recorded, nprocs, hostfile is not None)
+        reported = board.statuses()
+    launcher = 128 - code if code < 0 else code
+    status = job_status(launcher, reported, nprocs)
+    if launcher != 0 and len(reported) == nprocs and status == 0:
+        print(f"aaccl launch: every rank exited 0; {Path(exe).name} exited {launcher} "
+              "on its own (hydra's errors above come from tearing down the job)",
+              file=sys.stderr)
+    return status

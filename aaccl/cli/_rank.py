@@ -18,11 +18,9 @@ Signals: hydra's proxy signals a rank's whole process group (the supervisor and 
 program); the supervisor ignores those. A signal sent to the supervisor alone (by
 anyone but its proxy) is forwarded to the program.
 
-The supervisor writes the program's exit status to $AACCL_LAUNCH_STATUS/<rank> once
-the program has exited (MPI finalized or not), because hydra does not always report
-it; then it exits with that status. That directory is on the machine `aaccl launch`
-runs on: a rank on another machine (no such directory there) records nothing, and
-the launcher goes by hydra's status for the job.
+Once the program has exited (MPI finalized or not), the supervisor reports its exit
+status to `aaccl launch` and waits until every rank of the job has ended
+(_statuses.py says why); then it exits with that status.
 
 With --whole-lines (`aaccl launch -l`), the program's stdout and stderr hand the
 OS whole lines: the launcher's rank prefix (hydra's -prepend-rank) goes at the start
@@ -40,6 +38,8 @@ import sys
 import traceback
 from pathlib import Path
 from typing import Any
+
+from ._statuses import Launcher
 
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 WHOLE_LINES = "--whole-lines"
@@ -133,10 +133,10 @@ def status_of(wait_status: int) -> int:
     return os.waitstatus_to_exitcode(wait_status) & 0xFF
 
 
-def supervise(child: int) -> int:
-    """Wait for `child`, forwarding the signals sent to this process alone; its exit
-    status. FORWARDED and SIGCHLD must be blocked (since before the fork)."""
-    proxy = os.getppid()
+def supervise(child: int, proxy: int) -> int:
+    """Wait for `child`, forwarding the signals sent to this process alone (by anyone
+    but `proxy`); its exit status. FORWARDED and SIGCHLD must be blocked (since
+    before the fork)."""
     pmi_fd = os.environ.get("PMI_FD", "")
     if pmi_fd.isdigit():  # the program's connection to the proxy: let it close with it
         try:
@@ -155,16 +155,6 @@ def supervise(child: int) -> int:
                 pass
 
 
-def record(status: int) -> None:
-    directory = os.environ.get("AACCL_LAUNCH_STATUS")
-    rank = next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), None)
-    if directory and rank is not None:
-        try:
-            (Path(directory) / rank).write_text(str(status))
-        except OSError:  # another machine than the launcher's: see the module docstring
-            pass
-
-
 def main(argv: list[str]) -> None:
     whole_lines = argv[:1] == [WHOLE_LINES]
     program = argv[1:] if whole_lines else argv
@@ -178,8 +168,13 @@ def main(argv: list[str]) -> None:
         if whole_lines:
             write_whole_lines()
         sys.exit(run(program))
-    status = supervise(pid)
-    record(status)
+    proxy = os.getppid()
+    rank = next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "")
+    # connected after the fork: the program must not inherit the connection
+    launcher = Launcher.connect(int(rank), proxy) if rank.isdigit() else None
+    status = supervise(pid, proxy)
+    if launcher is not None:
+        launcher.finish(status)
     # not through the interpreter's exit: what the program's imports left (threads of
     # numerical libraries, say) has no business running in this process
     os._exit(status)

@@ -1,0 +1,276 @@
+"""The ranks' exit statuses, told to `aaccl launch` over TCP, and the end of a job.
+
+Two things in hydra (MPICH's launcher) under `-disable-auto-cleanup`:
+- its status for a job combines the ranks' raw statuses bitwise;
+- whenever a rank ends, mpiexec tells every other machine's proxy. Once a proxy
+  whose ranks are all done has exited, that write fails ("unable to send SIGUSR1
+  downstream") and mpiexec gives up: it exits with 255 and its proxies kill the
+  ranks still running. The more machines, the likelier.
+
+So each rank's supervisor (_rank.py) connects to the launcher when it starts and,
+once its program has ended, reports the program's status and waits to be let go:
+the launcher lets every supervisor go once every rank has reported (or its
+supervisor's connection dropped, or it never connected). No proxy exits while a
+rank still runs; a rank that ended early costs its machine an idle supervisor.
+The job's status is then the worst rank's, whatever mpiexec says.
+
+Where a rank finds the launcher: where hydra's proxy found it (the address in the
+proxy's `--control-port`, which honours HYDRA_IFACE and -iface), else the launching
+machine's name, else this machine. Every message starts with a random token, so
+nothing else that connects is taken for a rank. A rank that cannot reach the
+launcher runs as before: its status is left to mpiexec's.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import selectors
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+VARIABLE = "AACCL_LAUNCH_STATUS"
+CONNECT_TIMEOUT = 2.0  # per address a rank tries: the launcher answers at once or never
+GRACE = 2.0  # how long the launcher waits for reports still in flight once mpiexec ended
+LATE = 60.0  # a rank not connected this long after the first report is taken as absent
+GO = b"go\n"
+
+
+@dataclass
+class _Rank:
+    status: int | None = None
+    gone: bool = False  # its connection dropped (a supervisor killed, say)
+
+
+class Board:
+    """The launcher's side: a listening socket and a thread that serves the ranks.
+
+    Use as a context manager around the job; `env` goes into the ranks' environment.
+    Leaving it lets every supervisor still held go."""
+
+    def __init__(self, nprocs: int) -> None:
+        self.nprocs = nprocs
+        self._token = secrets.token_hex(8)
+        self._ranks: dict[int, _Rank] = {}
+        self._held: list[socket.socket] = []
+        self._first_report: float | None = None
+        self._changed = threading.Condition()
+        self._listener = listen()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._closing = False
+        self._thread = threading.Thread(target=self._serve, name="aaccl-launch-statuses",
+                                        daemon=True)
+
+    @property
+    def env(self) -> dict[str, str]:
+        port = self._listener.getsockname()[1]
+        return {VARIABLE: f"{port}:{self._token}:{socket.gethostname()}"}
+
+    def __enter__(self) -> Board:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._closing = True
+        self._wake_w.send(b"x")
+        self._thread.join()
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            sock.close()
+
+    def statuses(self, grace: float = GRACE) -> list[int]:
+        """The statuses reported, after waiting up to `grace` seconds for the rest
+        (reports still in flight when mpiexec itself ended early)."""
+        deadline = time.monotonic() + grace
+        with self._changed:
+            while self._missing():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            return [r.status for r in self._ranks.values() if r.status is not None]
+
+    def _missing(self) -> bool:
+        done = sum(r.status is not None or r.gone for r in self._ranks.values())
+        return done < self.nprocs
+
+    def _settled(self, now: float) -> bool:
+        """Whether every rank has reported, dropped, or is too late to count on."""
+        if not self._missing():
+            return True
+        if self._first_report is None or now - self._first_report < LATE:
+            return False
+        return all(r.status is not None or r.gone for r in self._ranks.values())
+
+    def _serve(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._listener, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        pending: dict[socket.socket, bytes] = {}  # connection -> what it sent so far
+        ranks: dict[socket.socket, int] = {}
+        released = False
+        while not self._closing:
+            for key, _ in sel.select(timeout=1.0):
+                sock = key.fileobj
+                if sock is self._wake_r:
+                    continue
+                if sock is self._listener:
+                    try:
+                        conn, _ = self._listener.accept()
+                    except OSError:
+                        continue
+                    pending[conn] = b""
+                    sel.register(conn, selectors.EVENT_READ)
+                    continue
+                assert isinstance(sock, socket.socket)
+                try:
+                    chunk = sock.recv(256)
+                except OSError:
+                    chunk = b""
+                lines = (pending.get(sock, b"") + chunk)
+                if chunk and len(lines) <= 1024:
+                    *complete, pending[sock] = lines.split(b"\n")
+                    for line in complete:
+                        self._take(sock, line, ranks)
+                    continue
+                sel.unregister(sock)  # closed, or talking nonsense
+                pending.pop(sock, None)
+                rank = ranks.pop(sock, None)
+                with self._changed:
+                    if rank is not None and self._ranks[rank].status is None:
+                        self._ranks[rank].gone = True
+                    self._changed.notify_all()
+                if sock in self._held:
+                    self._held.remove(sock)
+                sock.close()
+            with self._changed:
+                if not released and self._held and self._settled(time.monotonic()):
+                    released = True
+                    self._warn_absent()
+                if released:
+                    self._release()
+        for sock in list(pending):
+            sel.unregister(sock)
+            sock.close()
+        sel.close()
+
+    def _warn_absent(self) -> None:
+        absent = sorted(set(range(self.nprocs)) - set(self._ranks))
+        if absent:
+            shown = ", ".join(map(str, absent[:10])) + (" ..." if len(absent) > 10 else "")
+            print(f"aaccl launch: rank(s) {shown} never reached the launcher (port "
+                  f"{self._listener.getsockname()[1]}) within {LATE:.0f} s of the first "
+                  "rank's end; the others are let go, and the job's status is left to "
+                  "mpiexec's", file=sys.stderr)
+
+    def _take(self, sock: socket.socket, line: bytes, ranks: dict[socket.socket, int]) -> None:
+        message = parse(self._token, line)
+        if message is None:
+            return
+        kind, rank, status = message
+        with self._changed:
+            if kind == "hello" and 0 <= rank < self.nprocs:
+                ranks[sock] = rank
+                self._ranks[rank] = _Rank()
+            elif kind == "status" and ranks.get(sock) == rank:
+                self._ranks[rank].status = status
+                self._held.append(sock)
+                if self._first_report is None:
+                    self._first_report = time.monotonic()
+            self._changed.notify_all()
+
+    def _release(self) -> None:
+        for sock in self._held:
+            try:
+                sock.sendall(GO)
+            except OSError:
+                pass
+        self._held.clear()
+
+
+def listen() -> socket.socket:
+    """A socket on every address of this machine, IPv6 too where it has it."""
+    if socket.has_dualstack_ipv6():
+        try:
+            return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True,
+                                        backlog=socket.SOMAXCONN)
+        except OSError:  # IPv6 switched off
+            pass
+    return socket.create_server(("", 0), backlog=socket.SOMAXCONN)
+
+
+def parse(token: str, line: bytes) -> tuple[str, int, int] | None:
+    """A rank's message, `TOKEN hello RANK` or `TOKEN status RANK STATUS`, as
+    (kind, rank, status); None for anything else."""
+    parts = line.decode("ascii", "replace").split()
+    if len(parts) < 3 or parts[0] != token or not all(p.isdigit() for p in parts[2:]):
+        return None
+    if parts[1] == "hello" and len(parts) == 3:
+        return "hello", int(parts[2]), 0
+    if parts[1] == "status" and len(parts) == 4:
+        return "status", int(parts[2]), int(parts[3]) & 0xFF
+    return None
+
+
+def launcher_addresses(proxy_cmdline: list[str], hostname: str) -> Iterator[str]:
+    """Where to look for the launcher, best first (see the module's docstring)."""
+    if "--control-port" in proxy_cmdline[:-1]:
+        host, _, _ = proxy_cmdline[proxy_cmdline.index("--control-port") + 1].rpartition(":")
+        if host:
+            yield host.strip("[]")
+    yield hostname
+    yield "localhost"
+
+
+def proxy_cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace").split("\0")
+    except OSError:  # not Linux, or the proxy is gone
+        return []
+
+
+class Launcher:
+    """A supervisor's connection to `aaccl launch` (see the module's docstring)."""
+
+    def __init__(self, conn: socket.socket, token: str, rank: int) -> None:
+        self._conn, self._token, self._rank = conn, token, rank
+
+    @classmethod
+    def connect(cls, rank: int, proxy: int) -> Launcher | None:
+        """Say hello to the launcher, if this rank runs under one and reaches it."""
+        port, _, rest = os.environ.get(VARIABLE, "").partition(":")
+        token, _, hostname = rest.partition(":")
+        if not port.isdigit() or not token:
+            return None
+        tried: set[str] = set()
+        for host in launcher_addresses(proxy_cmdline(proxy), hostname):
+            if host in tried:
+                continue
+            tried.add(host)
+            try:
+                conn = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT)
+            except OSError:
+                continue
+            try:
+                conn.settimeout(None)
+                conn.sendall(f"{token} hello {rank}\n".encode())
+            except OSError:
+                conn.close()
+                continue
+            return cls(conn, token, rank)
+        return None
+
+    def finish(self, status: int) -> None:
+        """Report the program's status, then wait until the launcher lets this rank
+        go (or is gone)."""
+        with self._conn:
+            try:
+                self._conn.sendall(f"{self._token} status {self._rank} {status}\n".encode())
+                while self._conn.recv(16) not in (b"", GO):
+                    pass
+            except OSError:
+                pass
