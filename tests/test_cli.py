@@ -210,6 +210,24 @@ def test_launch_forwards_the_jobs_exit_code(tmp_path: Path) -> None:
     assert ok.returncode == 0
 
 
+@needs_mpi
+def test_launch_a_rank_whose_supervisor_is_killed_ends_with_its_program(
+        tmp_path: Path) -> None:
+    """Killing a rank's supervisor (by mistake, say) takes its program along instead
+    of leaving it stuck in MPI_Finalize with the job waiting for it; the others
+    report as usual."""
+    script = tmp_path / "app.py"
+    script.write_text("import os, signal, sys\nfrom mpi4py import MPI\n"
+                      "MPI.COMM_WORLD.Barrier()\n"
+                      "if MPI.COMM_WORLD.rank == 1: os.kill(os.getppid(), signal.SIGKILL)\n"
+                      "sys.exit(3 if MPI.COMM_WORLD.rank == 2 else 0)\n")
+    done = subprocess.run([sys.executable, "-m", "aaccl", "launch", "-n", "3", str(script)],
+                          timeout=120, capture_output=True, text=True)
+    assert done.returncode != 0, done.stderr
+    left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True)
+    assert left.stdout == "", f"left running: {left.stdout}"
+
+
 # `aaccl` as its console script runs: without the working directory on sys.path
 AACCL = [sys.executable, "-c",
          "import sys; del sys.path[0]; from aaccl.cli import main; sys.exit(main())"]

@@ -30,6 +30,7 @@ writes its text and its newline apart) would get a second prefix mid-line.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import os
 import runpy
@@ -155,12 +156,30 @@ def supervise(child: int, proxy: int) -> int:
                 pass
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """Have Linux SIGKILL this process when its supervisor dies: a supervisor killed
+    by hand would otherwise leave its program behind, stuck in MPI_Finalize for
+    good with nobody to wait for it (hydra's proxy only knew the supervisor)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the program may outlive it
+        return
+    if os.getppid() != parent:  # the supervisor died before the request took hold
+        os._exit(128 + signal.SIGKILL)
+
+
 def main(argv: list[str]) -> None:
     whole_lines = argv[:1] == [WHOLE_LINES]
     program = argv[1:] if whole_lines else argv
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED | {signal.SIGCHLD})
+    supervisor = os.getpid()
     pid = os.fork()
     if pid == 0:  # the program, to an ordinary interpreter exit (MPI finalizes as usual)
+        die_with_parent(supervisor)
         # hydra signals SIGUSR1 whenever a process of the job ends (see _mpi_world):
         # harmless to a program that does not listen for it
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
