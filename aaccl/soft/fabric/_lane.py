@@ -159,13 +159,16 @@ class Lane:
 
     # -- any thread -----------------------------------------------------------------
 
-    def poll(self) -> bool:
-        """Test what is in flight; True if anything ended."""
+    def poll(self, before: Callable[[], object] | None = None) -> bool:
+        """Test what is in flight; True if anything ended. `before` runs before what
+        ended is told to the engine (see MPIFabric._poll_once)."""
         if self._opening is None and not self._moving:
             return False
         events: list[tuple[Post, tuple[Any, ...]]] = []
         with self._lock:
             came = self._test(events)
+        if events and before is not None:
+            before()
         self._emit(events)
         return came
 

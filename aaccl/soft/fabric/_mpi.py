@@ -210,11 +210,22 @@ class MPIFabric:
                 self._take(message, status)
             if self._arriving:
                 self._arrivals()
-            lane = self.lane is not None and self.lane.poll()
+            lane = self.lane is not None and self.lane.poll(self._drain)
         except MPI.Exception as error:  # a peer died mid-message: that one is lost
             self._mpi_error(error)
             return False
         return message is not None or lane
+
+    def _drain(self) -> None:
+        """Take every message MPI already has, before a collective's end is told: what
+        a peer sent before entering the collective (the acks that free this rank's
+        eager window, say) arrived before the collective's own data, and must count
+        before the program goes on (a barrier, then sends that fit the window)."""
+        MPI, status = self._mpi, self._status
+        while (message := self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)) is not None:
+            self._take(message, status)
+        if self._arriving:
+            self._arrivals()
 
     def _progress(self) -> None:
         last = time.monotonic()
