@@ -21,7 +21,14 @@ import aaccl
 import aaccl.cli
 from aaccl.cli import command, main
 from aaccl.cli._launch import SHIM, job_status
-from aaccl.cli._statuses import VARIABLE, Board, Launcher, launcher_addresses, parse
+from aaccl.cli._statuses import (
+    PEERS_VARIABLE,
+    VARIABLE,
+    Board,
+    Launcher,
+    launcher_addresses,
+    parse,
+)
 from aaccl.cli._rank import WholeLines
 
 RANK = [sys.executable, "-c", SHIM]  # each rank records its exit status
@@ -121,6 +128,7 @@ def test_a_rank_finds_the_launcher_where_hydras_proxy_did() -> None:
     (b"tok status 2 300", ("status", 2, 300 & 0xFF)),
     (b"other hello 3", None), (b"tok hello -1", None), (b"tok status 1", None),
     (b"tok hello 1 2", None), (b"tok bye 1 2", None), (b"", None),
+    (b"tok ended 4 137", ("ended", 4, 137)),
     (b"GET / HTTP/1.1\r", None), (b"\xff\xfe hello 2", None),
 ])
 def test_only_a_message_with_the_launchers_token_counts(line: bytes, parsed: object) -> None:
@@ -133,6 +141,30 @@ def _connect(board: Board, rank: int, monkeypatch: pytest.MonkeyPatch) -> Launch
     launcher = Launcher.connect(rank, os.getpid())
     assert launcher is not None
     return launcher
+
+
+def test_a_program_reads_who_ended_from_its_supervisors_pipe(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The supervisor writes `RANK STATUS` lines (in pieces, maybe); the program
+    takes the abnormal ends, in words."""
+    from aaccl.api import _world
+
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    monkeypatch.setenv(PEERS_VARIABLE, str(read))
+    monkeypatch.setattr(_world, "_news", b"")
+    try:
+        assert _world.ended_ranks() == {}
+        os.write(write, b"3 137\n1 0\n2 1\n5 1")
+        assert _world.ended_ranks() == {3: "its process was killed by SIGKILL",
+                                        2: "its program exited with status 1"}
+        os.write(write, b"43\n")  # the rest of the last line
+        assert _world.ended_ranks() == {5: "its process was killed by SIGTERM"}
+    finally:
+        os.close(read)
+        os.close(write)
+    monkeypatch.delenv(PEERS_VARIABLE)
+    assert _world.ended_ranks() == {}  # not under aaccl launch
 
 
 def _reported(board: Board, count: int) -> list[int]:
@@ -153,7 +185,17 @@ def test_the_board_holds_every_rank_until_all_reported(
             stranger.sendall(b"0 hello 0\n0 status 0 0\n")
         with socket.create_connection(("localhost", port)):
             pass  # connects and says nothing
-        ranks = [_connect(board, rank, monkeypatch) for rank in range(4)]
+        heard: list[tuple[int, int]] = []
+        all_heard = threading.Event()
+
+        def hear(*news: int) -> None:
+            heard.append(news)
+            if len(heard) == 3:
+                all_heard.set()
+
+        ranks = [_connect(board, rank, monkeypatch) for rank in range(3)]
+        ranks.append(Launcher.connect(3, os.getpid(), hear))
+        assert ranks[3] is not None
         finished: list[int] = []
         threads = [threading.Thread(target=lambda r=r, l=l: (l.finish(r * 7), finished.append(r)))
                    for r, l in enumerate(ranks[:3])]
@@ -161,7 +203,9 @@ def test_the_board_holds_every_rank_until_all_reported(
             t.start()
         assert _reported(board, 3) == [0, 7, 14]
         assert finished == []  # held: rank 3 still runs
-        ranks[3]._conn.close()  # rank 3's supervisor killed: it will never report
+        assert all_heard.wait(10)
+        assert sorted(heard) == [(0, 0), (1, 7), (2, 14)]  # who ended, and how
+        ranks[3]._conn.shutdown(socket.SHUT_RDWR)  # rank 3's supervisor died unreported
         for t in threads:
             t.join(timeout=10)
         assert sorted(finished) == [0, 1, 2]

@@ -280,10 +280,49 @@ _worlds_listening = 0  # MPI worlds of this process open, while SIGUSR1 is their
 _listening_lock = threading.Lock()
 
 
+_news = b""  # an unfinished line read from the supervisor's pipe
+
+
 def _process_lost(signum: int, frame: Any) -> None:
     from ..soft import MPIFabric
 
-    MPIFabric.process_lost("a process of this MPI job ended (hydra's SIGUSR1)")
+    MPIFabric.process_lost("a process of this MPI job ended (hydra's SIGUSR1)",
+                           ended_ranks())
+
+
+def ended_ranks() -> dict[int, str]:
+    """Which ranks' programs ended abnormally, and how, as far as this rank's
+    supervisor has told it so far (under `aaccl launch`; see cli/_statuses.py):
+    read from its pipe without waiting."""
+    global _news
+    from ..cli._statuses import PEERS_VARIABLE
+
+    fd = os.environ.get(PEERS_VARIABLE, "")
+    if not fd.isdigit():
+        return {}
+    try:
+        while chunk := os.read(int(fd), 4096):
+            _news += chunk
+    except OSError:  # nothing more now (or no such pipe)
+        pass
+    *lines, _news = _news.split(b"\n")
+    ended = {}
+    for line in lines:
+        rank, _, status = line.decode(errors="replace").partition(" ")
+        if rank.isdigit() and status.isdigit() and int(status) != 0:
+            ended[int(rank)] = how_it_ended(int(status))
+    return ended
+
+
+def how_it_ended(status: int) -> str:
+    """A program's exit status in words (128 + N: killed by signal N)."""
+    if status > 128:
+        try:
+            name = signal.Signals(status - 128).name
+        except ValueError:
+            name = f"signal {status - 128}"
+        return f"its process was killed by {name}"
+    return f"its program exited with status {status}"
 
 
 def listen_for_lost_processes() -> Callable[[], None]:
@@ -488,6 +527,9 @@ def gather_from_every_rank(mine: Any, timeout: float,
 
     comm = MPI.COMM_WORLD
     deadline = time.monotonic() + timeout
+    dead = MPIFabric.dead()
+    if dead:  # never send to a dead process: MPI's network module may crash on it
+        raise ACCLError(why_not("; ".join(f"rank {r}: {how}" for r, how in sorted(dead.items()))))
 
     def finish(request: Any) -> None:  # nonblocking all along: a peer may be gone
         while not request.Test():

@@ -30,6 +30,7 @@ writes its text and its newline apart) would get a second prefix mid-line.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import io
 import os
@@ -40,7 +41,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ._statuses import Launcher
+from ._statuses import PEERS_VARIABLE, Launcher
 
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 WHOLE_LINES = "--whole-lines"
@@ -156,6 +157,25 @@ def supervise(child: int, proxy: int) -> int:
                 pass
 
 
+exiting = [0]  # the program's exit status, once it has one
+
+
+def skip_finalize_after_a_death() -> None:
+    """At the program's exit (after its own atexit functions), if aaccl learned that a
+    peer's process died: exit now, with the program's status, instead of through
+    MPI_Finalize, which would disconnect from the dead process and, between
+    machines (UCX), fail doing so and abort the job, killing ranks that have yet to
+    report."""
+    fabric = sys.modules.get("aaccl.soft.fabric._mpi")
+    if fabric is not None and fabric.MPIFabric.dead():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(exiting[0])
+
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -177,20 +197,38 @@ def main(argv: list[str]) -> None:
     program = argv[1:] if whole_lines else argv
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED | {signal.SIGCHLD})
     supervisor = os.getpid()
+    news_r, news_w = os.pipe()  # who else ended: the supervisor tells the program
     pid = os.fork()
     if pid == 0:  # the program, to an ordinary interpreter exit (MPI finalizes as usual)
         die_with_parent(supervisor)
+        os.close(news_w)
+        os.set_blocking(news_r, False)
+        os.environ[PEERS_VARIABLE] = str(news_r)
         # hydra signals SIGUSR1 whenever a process of the job ends (see _mpi_world):
         # harmless to a program that does not listen for it
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         if whole_lines:
             write_whole_lines()
-        sys.exit(run(program))
+        atexit.register(skip_finalize_after_a_death)  # first: it runs after the others
+        exiting[0] = run(program)
+        sys.exit(exiting[0])
+    os.close(news_r)
+    os.set_blocking(news_w, False)
+
+    def ended(peer: int, status: int) -> None:
+        """Another rank's program ended: tell this one (a line in the pipe, then
+        SIGUSR1, which aaccl's MPI worlds listen for while open)."""
+        try:
+            os.write(news_w, f"{peer} {status}\n".encode())
+            os.kill(pid, signal.SIGUSR1)
+        except OSError:  # the program is gone, or never reads the pipe: it is full
+            pass
+
     proxy = os.getppid()
     rank = next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "")
     # connected after the fork: the program must not inherit the connection
-    launcher = Launcher.connect(int(rank), proxy) if rank.isdigit() else None
+    launcher = Launcher.connect(int(rank), proxy, ended) if rank.isdigit() else None
     status = supervise(pid, proxy)
     if launcher is not None:
         launcher.finish(status)

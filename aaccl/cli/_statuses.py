@@ -30,10 +30,13 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 VARIABLE = "AACCL_LAUNCH_STATUS"
+PEERS_VARIABLE = "AACCL_LAUNCH_PEERS_FD"
+"""In a program under `aaccl launch`: the pipe on which its supervisor writes a line
+`RANK STATUS` whenever another rank's program ends (then sends it SIGUSR1)."""
 CONNECT_TIMEOUT = 2.0  # per address a rank tries: the launcher answers at once or never
 GRACE = 2.0  # how long the launcher waits for reports still in flight once mpiexec ended
 LATE = 60.0  # a rank not connected this long after the first report is taken as absent
@@ -180,6 +183,13 @@ class Board:
                 self._held.append(sock)
                 if self._first_report is None:
                     self._first_report = time.monotonic()
+                news = f"{self._token} ended {rank} {status}\n".encode()
+                for other in ranks:  # the others' programs learn who ended, and how
+                    if other is not sock:
+                        try:
+                            other.sendall(news)
+                        except OSError:
+                            pass
             self._changed.notify_all()
 
     def _release(self) -> None:
@@ -203,15 +213,16 @@ def listen() -> socket.socket:
 
 
 def parse(token: str, line: bytes) -> tuple[str, int, int] | None:
-    """A rank's message, `TOKEN hello RANK` or `TOKEN status RANK STATUS`, as
-    (kind, rank, status); None for anything else."""
+    """A message, `TOKEN hello RANK` or `TOKEN status RANK STATUS` (a rank's), or
+    `TOKEN ended RANK STATUS` (the launcher's), as (kind, rank, status); None for
+    anything else."""
     parts = line.decode("ascii", "replace").split()
     if len(parts) < 3 or parts[0] != token or not all(p.isdigit() for p in parts[2:]):
         return None
     if parts[1] == "hello" and len(parts) == 3:
         return "hello", int(parts[2]), 0
-    if parts[1] == "status" and len(parts) == 4:
-        return "status", int(parts[2]), int(parts[3]) & 0xFF
+    if parts[1] in ("status", "ended") and len(parts) == 4:
+        return parts[1], int(parts[2]), int(parts[3]) & 0xFF
     return None
 
 
@@ -236,12 +247,20 @@ def proxy_cmdline(pid: int) -> list[str]:
 class Launcher:
     """A supervisor's connection to `aaccl launch` (see the module's docstring)."""
 
-    def __init__(self, conn: socket.socket, token: str, rank: int) -> None:
+    def __init__(self, conn: socket.socket, token: str, rank: int,
+                 on_ended: Callable[[int, int], None]) -> None:
         self._conn, self._token, self._rank = conn, token, rank
+        self._on_ended = on_ended
+        self._released = threading.Event()
+        threading.Thread(target=self._listen, name="aaccl-launcher", daemon=True).start()
 
     @classmethod
-    def connect(cls, rank: int, proxy: int) -> Launcher | None:
-        """Say hello to the launcher, if this rank runs under one and reaches it."""
+    def connect(cls, rank: int, proxy: int,
+                on_ended: Callable[[int, int], None] = lambda rank, status: None,
+                ) -> Launcher | None:
+        """Say hello to the launcher, if this rank runs under one and reaches it;
+        `on_ended(rank, status)` runs (on a thread of its own) whenever another
+        rank's program ends."""
         port, _, rest = os.environ.get(VARIABLE, "").partition(":")
         token, _, hostname = rest.partition(":")
         if not port.isdigit() or not token:
@@ -261,16 +280,29 @@ class Launcher:
             except OSError:
                 conn.close()
                 continue
-            return cls(conn, token, rank)
+            return cls(conn, token, rank, on_ended)
         return None
+
+    def _listen(self) -> None:
+        pending = b""
+        try:
+            while chunk := self._conn.recv(4096):
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    if line + b"\n" == GO:
+                        self._released.set()
+                    elif (message := parse(self._token, line)) and message[0] == "ended":
+                        self._on_ended(message[1], message[2])
+        except OSError:
+            pass
+        self._released.set()  # the launcher is gone: nobody to wait for
 
     def finish(self, status: int) -> None:
         """Report the program's status, then wait until the launcher lets this rank
         go (or is gone)."""
-        with self._conn:
-            try:
-                self._conn.sendall(f"{self._token} status {self._rank} {status}\n".encode())
-                while self._conn.recv(16) not in (b"", GO):
-                    pass
-            except OSError:
-                pass
+        try:
+            self._conn.sendall(f"{self._token} status {self._rank} {status}\n".encode())
+        except OSError:
+            return
+        self._released.wait()
+        self._conn.close()

@@ -97,8 +97,12 @@ class Op:
 class Lane:
     """The world communicator's collectives of one process, in MPI's order."""
 
-    def __init__(self, comm: Any, post: Post) -> None:
-        self.comm, self.size, self._post = comm, comm.Get_size(), post
+    def __init__(self, comm: Any, post: Post,
+                 gone: Callable[[], str | None] = lambda: None) -> None:
+        """`gone()`: why a process of the job has ended, if one has: the world's
+        collectives can never complete then, and nothing more is started in MPI
+        (which may crash sending to a dead process)."""
+        self.comm, self.size, self._post, self._gone = comm, comm.Get_size(), post, gone
         self._lock = threading.Lock()
         self._queue: deque[Op] = deque()  # admitted, opening not started yet
         self._opening: tuple[Any, Op] | None = None  # in flight: holds the lane back
@@ -213,6 +217,10 @@ class Lane:
         for fn, args in events:
             self._post(fn, *args)
 
+    @staticmethod
+    def _cannot(gone: str) -> Aborted:
+        return Aborted(f"{gone}: the world's collectives cannot complete any more")
+
     def _pump(self, events: list[tuple[Post, tuple[Any, ...]]]) -> None:
         """Start openings, in order, while the head's block is ready."""
         while self._opening is None and self._queue and self._queue[0].block is not None:
@@ -220,6 +228,12 @@ class Lane:
             op.issued = True
             if self._dead_from is not None and op.index >= self._dead_from:
                 events.append((op.turn.set, (self._dead_why,)))  # no peer would match it
+                self._finish(op)
+                continue
+            gone = self._gone()
+            if gone is not None:
+                events.append((op.turn.set, (None,)))
+                events.append((op.opening.set, (self._cannot(gone),)))
                 self._finish(op)
                 continue
             op.gathered = np.empty(self.size * BLOCK, np.uint8)
@@ -276,7 +290,12 @@ class Lane:
         first = blocks[0]
         agreed = all(b.state == RUNS and b.fp == first.fp for b in blocks)
         moving = False
-        if agreed and op.transfer is not None:
+        gone = self._gone() if agreed and op.transfer is not None else None
+        if gone is not None:
+            moving = True
+            events.append((op.moved.set, (self._cannot(gone),)))
+            self._finish(op)
+        elif agreed and op.transfer is not None:
             moving = True
             try:
                 self._moving.append((op.transfer(), op))

@@ -51,6 +51,8 @@ from ._lane import Lane
 from ._message import Message
 
 HEADER, ACK, WITHDRAW = 1, 2, 3
+NOTICES = ("leave", "abort")
+"""Messages that only tell peers what happened here (see `post`)."""
 PAYLOAD_TAGS = 1 << 20
 """Payload tags are PAYLOAD_TAGS + (message id modulo PAYLOAD_TAGS), past the control tags."""
 
@@ -76,6 +78,7 @@ EXIT_GRACE = 5
 
 _open: weakref.WeakSet[MPIFabric] = weakref.WeakSet()
 _ended: str | None = None
+_dead: dict[int, str] = {}
 
 
 def _payload_tag(msg_id: int) -> int:
@@ -102,6 +105,8 @@ class MPIFabric:
         # per source, what arrived and waits (behind a payload still coming) to be handled
         self._arriving: dict[int, deque[tuple[Any, Callable[..., Any], tuple[Any, ...]]]] = {}
         self.lost: str | None = None  # why a peer is known to be gone, if one is
+        self._deaths: list[dict[int, str]] = []  # ranks found dead, not yet buried
+        self.dead: dict[int, str] = {}  # rank -> how its process ended; never sent to
         self.mpi_errors: list[str] = []  # what MPI reported (about dead peers), first few
         self._closed = False
         self._farewells = 0  # peers' last messages, one per control tag each (`close`)
@@ -120,7 +125,7 @@ class MPIFabric:
         # the world's collectives run as MPI collectives, on a communicator of their own
         self.lane: Lane | None = None
         if self.size > 1 and os.environ.get("AACCL_MPI_COLLECTIVES", "1") != "0":
-            self.lane = Lane(self.comm.Dup(), self.engine.post)
+            self.lane = Lane(self.comm.Dup(), self.engine.post, MPIFabric.ended)
         self.world_key = tuple(range(self.size))
         _open.add(self)
         self._thread = threading.Thread(target=self._progress, name=f"aaccl-mpi-{self.rank}",
@@ -134,6 +139,11 @@ class MPIFabric:
     # -- sending ------------------------------------------------------------------
 
     def post(self, dst: int, msg: Message, timeout_code: int) -> Wait | None:
+        if self.dead:
+            # A process died: MPI is not used any more (see `_bury`). Notices are left
+            # unsaid (the others learn what this rank learnt, from the launcher), and
+            # anything else fails at its deadline: never reported sent.
+            return None if msg.key[0] in NOTICES or msg.tombstone else Wait(timeout_code)
         payload = msg.payload
         nbytes = 0 if payload is None else payload.nbytes
         segments = -(-nbytes // self.bufsize)
@@ -166,7 +176,7 @@ class MPIFabric:
 
     def _isend(self, buf: Any, dst: int, tag: int, keepalive: object) -> None:
         """Start an MPI send; `keepalive` (what it reads) lives until it completes."""
-        if self._said_farewell:  # (an ack after closing: nobody waits for it any more)
+        if self._said_farewell or dst in self.dead:  # nobody waits for it any more
             return
         try:
             request = self.comm.Isend(buf, dst, tag)
@@ -200,6 +210,8 @@ class MPIFabric:
         self._tasks_gone.set()
 
     def _poll_once(self) -> bool:
+        if self.dead:  # see `_bury`
+            return False
         MPI, status = self._mpi, self._status
         try:
             # MPICH's Improbe matches what it has already taken in, then makes
@@ -216,6 +228,30 @@ class MPIFabric:
             return False
         return message is not None or lane
 
+    def _bury(self) -> None:
+        """Ranks whose processes ended abnormally (`process_lost`): first take what
+        they sent before, then end the calls waiting for them as if they had left the
+        world, and stop using MPI altogether. MPI promises nothing once a process of
+        the job has died, and between machines MPICH's network module (UCX) does
+        crash on the next send to the dead process, or while making progress on one
+        already started: the rest of this world's calls fail (the world's collectives
+        at once, the others at their deadlines) and it closes without MPI."""
+        while self._deaths:
+            ranks = self._deaths.pop(0)
+            if not self.dead:
+                try:
+                    self._drain()
+                except self._mpi.Exception as error:
+                    self._mpi_error(error)
+            for rank, how in ranks.items():
+                if rank == self.rank or rank in self.dead or not 0 <= rank < self.size:
+                    continue
+                self.dead[rank] = how
+                on_leave = self.inbox.on_leave
+                if on_leave is not None:
+                    lane_done = 0 if self.lane is None else self.lane.finished
+                    self.engine.post(on_leave, rank, how, lane_done)
+
     def _drain(self) -> None:
         """Take every message MPI already has, before a collective's end is told: what
         a peer sent before entering the collective (the acks that free this rank's
@@ -230,6 +266,12 @@ class MPIFabric:
     def _progress(self) -> None:
         last = time.monotonic()
         while not self._closed:
+            if self._deaths:
+                with self._poll_lock:
+                    self._bury()
+            if self.dead:  # nothing to poll any more (see `_bury`)
+                time.sleep(IDLE_SLEEP)
+                continue
             self._tasks_gone.clear()
             if time.monotonic() - self._polled_at < SPIN:
                 # a task polls: keep out of its way until it parks (even a nap's wake-up
@@ -363,15 +405,27 @@ class MPIFabric:
     # -- lifetime -------------------------------------------------------------------
 
     @staticmethod
-    def process_lost(reason: str) -> None:
+    def process_lost(reason: str, ranks: dict[int, str] | None = None) -> None:
         """A process of this MPI job has ended without telling its launcher (hydra
         signals the others with SIGUSR1; with MPICH 5, whenever a process exits): open
         fabrics stop waiting for their peers when they close, and `ended` says so from
-        now on. Safe in a signal handler (it takes no lock)."""
+        now on. `ranks`: which ranks' programs ended abnormally, and how, where that is
+        known (`aaccl launch` tells): each open fabric treats them as gone (`_bury`).
+        Safe in a signal handler (it takes no lock)."""
         global _ended
         _ended = _ended or reason
+        if ranks:
+            _dead.update(ranks)
         for fabric in list(_open):
             fabric.lost = fabric.lost or reason
+            if ranks:
+                fabric._deaths.append(ranks)  # the progress thread buries them
+
+    @staticmethod
+    def dead() -> dict[int, str]:
+        """The ranks of this MPI job whose processes are known to have ended abnormally,
+        and how (see `process_lost`): MPI must not send to them."""
+        return dict(_dead)
 
     @staticmethod
     def ended() -> str | None:
@@ -394,8 +448,10 @@ class MPIFabric:
         from mpi4py import MPI
 
         done = False
+        if self.dead:  # (see `post`): nothing more to say, nobody to wait for
+            self._said_farewell = True
         try:
-            for peer in range(self.size):
+            for peer in range(self.size if not self.dead else 0):
                 if peer != self.rank:
                     for tag in (HEADER, ACK, WITHDRAW):
                         self._send_obj(None, peer, tag)
