@@ -10,6 +10,7 @@ import asyncio
 import math
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -298,7 +299,10 @@ def ended_ranks() -> dict[int, str]:
     from ..cli._statuses import PEERS_VARIABLE
 
     fd = os.environ.get(PEERS_VARIABLE, "")
-    if not fd.isdigit():
+    try:  # (a process the program started inherits the variable, not the pipe)
+        if not fd.isdigit() or not stat.S_ISFIFO(os.fstat(int(fd)).st_mode):
+            return {}
+    except OSError:
         return {}
     try:
         while chunk := os.read(int(fd), 4096):

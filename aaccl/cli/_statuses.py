@@ -184,7 +184,9 @@ class Board:
                 if self._first_report is None:
                     self._first_report = time.monotonic()
                 news = f"{self._token} ended {rank} {status}\n".encode()
-                for other in ranks:  # the others' programs learn who ended, and how
+                for other in ranks if status else ():
+                    # the others' programs learn who ended abnormally, and how (a
+                    # job's normal end costs one message per rank, not one per pair)
                     if other is not sock:
                         try:
                             other.sendall(news)
