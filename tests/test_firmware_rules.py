@@ -263,6 +263,36 @@ def test_in_sequence_after_a_failed_dependency_never_runs() -> None:
     assert isinstance(Driver.error(result, "bcast"), aaccl.DependencyError)
 
 
+def test_a_scatter_over_more_than_one_rx_buffer_runs_as_sends() -> None:
+    """The firmware sends each rank its whole chunk as one message: past one rx buffer
+    (256 float32 of SETUP's 1 KiB) the root copies its own chunk and sends the others
+    theirs, each of which receives; rank by rank."""
+    args = call(Scenario.SCATTER, 300, root=1)
+    chunk = 300 * 4
+    assert fw.substitute(args, 3, (4, 4, 4), SETUP, rank=1) == [
+        args._replace(scenario=Scenario.COPY, root_src_dst=0, addr_0=A0 + chunk, addr_1=0),
+        args._replace(scenario=Scenario.SEND, root_src_dst=0, addr_0=A0, addr_1=0, addr_2=0),
+        args._replace(scenario=Scenario.SEND, root_src_dst=2, addr_0=A0 + 2 * chunk, addr_1=0,
+                      addr_2=0)]
+    for rank in (0, 2):
+        assert fw.substitute(args, 3, (4, 4, 4), SETUP, rank=rank) == [
+            args._replace(scenario=Scenario.RECV, addr_0=0, addr_1=0)]
+    assert all(step.tag == TAG_ANY for step in fw.substitute(args, 3, (4, 4, 4), SETUP, rank=1))
+
+
+@pytest.mark.parametrize("args, size, rank, setup", [
+    (call(Scenario.SCATTER, 256), 3, 0, SETUP),  # one rx buffer each: as it is
+    (call(Scenario.SCATTER, 300), 1, 0, SETUP),  # one rank
+    (call(Scenario.SCATTER, 300), 3, None, SETUP),  # rank unknown
+    (call(Scenario.SCATTER, 300), 3, 0, fw.Setup(1024, 1024)),  # rendezvous
+    (call(Scenario.SCATTER, 300, compression_flags=int(CompressionFlags.ETH_COMPRESSED)),
+     3, 0, SETUP),
+])
+def test_scatters_the_firmware_runs_as_they_are(args: CallArgs, size: int, rank: int | None,
+                                               setup: fw.Setup) -> None:
+    assert fw.substitute(args, size, (4, 4, 4), setup, rank=rank) is None
+
+
 # -- for real, on the soft CCLO taking the firmware's path -----------------------------------
 
 @pytest.fixture
@@ -302,6 +332,14 @@ async def test_substituted_bcasts_and_empty_collectives_match_numpy(
     for op in ("scatter", "gather", "reduce", "allgather", "reduce_scatter"):
         await sweep(size, op, np.int32, [0])
     assert any(steps[0].scenario == Scenario.NOP for steps in firmware_path)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("size", [2, 3])
+async def test_substituted_scatters_match_numpy(size: int,
+                                                firmware_path: list[list[CallArgs]]) -> None:
+    await sweep(size, "scatter", np.float32, [1000, 256, 257, 7])  # bufsize 1 KiB
+    assert any(steps[0].scenario in (Scenario.COPY, Scenario.RECV) for steps in firmware_path)
 
 
 def test_compressed_substituted_allreduce(firmware_path: list[list[CallArgs]]) -> None:

@@ -287,8 +287,10 @@ class Driver:
                 "stack (it needs the rendezvous protocol of an RDMA stack)"))
             return refused
         itemsizes = _itemsizes(operand_dtypes) if operand_dtypes is not None else (0, 0, 0)
-        steps = firmware.substitute(args, len(self.comm(comm_id).ranks), itemsizes,
-                                    firmware.Setup(self.bufsize, self.max_eager_size))
+        comm = self.comm(comm_id)
+        steps = firmware.substitute(args, len(comm.ranks), itemsizes,
+                                    firmware.Setup(self.bufsize, self.max_eager_size),
+                                    comm.local_rank)
         if steps is None:
             return self.device.start(args, waitfor)
         start_steps = getattr(self.device, "start_steps", None)

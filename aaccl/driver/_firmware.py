@@ -30,6 +30,16 @@ more:
   the first re-sends the first: wrong data, no error, whenever the message spans
   more than one rx buffer (`count > bufsize // itemsize`).
 
+- **The eager scatter** sends each rank its whole chunk as one message ("TODO:
+  implement segmentation"), where send and bcast cut theirs into rx buffers. On
+  the emulator a chunk of 2 or 3 rx buffers arrives (slowly), one of more stalls
+  the root's transmit path (its `eth_tx_cmd` and `dma_read_data_1` streams stay
+  full) until every rank times out: a scatter of 4,096 float32 per rank with
+  4 KiB rx buffers never ends. A message larger than an rx buffer is nothing the
+  receiving side's rx buffers are made for, so any scatter whose chunk spans more
+  than one rx buffer runs as what it means: the root copies its own chunk and
+  sends each other rank its own (cut into rx buffers), the others receive.
+
 reduce_scatter and allgather move whole `count`-element chunks per rank (no such
 cutting), and a bcast from another root ends each segment's moves on a real one.
 """
@@ -38,7 +48,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .._constants import CompressionFlags, Scenario, StreamFlags
+from .._constants import TAG_ANY, CompressionFlags, Scenario, StreamFlags
 from ..devices import CallArgs
 
 RENDEZVOUS_ONLY = frozenset({Scenario.BARRIER, Scenario.ALLTOALL})
@@ -95,11 +105,12 @@ def bcast_repeats(count: int, size: int, root: int, segment: int) -> bool:
 
 
 def substitute(args: CallArgs, size: int, itemsizes: tuple[int, int, int],
-               setup: Setup) -> list[CallArgs] | None:
+               setup: Setup, rank: int | None = None) -> list[CallArgs] | None:
     """Calls that do what `args` asks where ACCL's firmware would hang or give wrong
     data on `args` itself, in the order to run them; None where it runs `args` right.
 
-    `size` is the communicator's, `itemsizes` the element bytes of the buffers at
+    `size` is the communicator's and `rank` this rank's place in it (a scatter's
+    stand-ins differ by rank), `itemsizes` the element bytes of the buffers at
     addr_0, addr_1 and addr_2 (the first is the arithmetic's, uncompressed, unless
     OP0_COMPRESSED). Raises `Refused` for what no such calls can do.
     """
@@ -108,7 +119,7 @@ def substitute(args: CallArgs, size: int, itemsizes: tuple[int, int, int],
         return None
     if args.count == 0:  # nothing to move: nothing to wait for either
         return [args._replace(scenario=Scenario.NOP)]
-    if scenario not in (Scenario.ALLREDUCE, Scenario.BCAST):
+    if scenario not in (Scenario.ALLREDUCE, Scenario.BCAST, Scenario.SCATTER):
         return None
     itemsize = max(itemsizes)  # the arithmetic config's uncompressed element
     if not itemsize:
@@ -116,6 +127,11 @@ def substitute(args: CallArgs, size: int, itemsizes: tuple[int, int, int],
     if args.count * itemsize > setup.max_eager_size and not args.compression_flags \
             and not args.stream_flags:
         return None  # rendezvous: a reduce and a bcast, or a tree, no ring
+    if scenario == Scenario.SCATTER:
+        if rank is None or args.compression_flags or args.stream_flags \
+                or args.count <= setup.bufsize // itemsize:
+            return None  # (compressed: left to the firmware, as it stands)
+        return scatter_as_sends(args, size, rank, itemsize)
     if scenario == Scenario.BCAST:
         segment = setup.bufsize // itemsize
         if args.stream_flags & StreamFlags.OP0_STREAM \
@@ -138,6 +154,19 @@ def substitute(args: CallArgs, size: int, itemsizes: tuple[int, int, int],
                       f"{itemsize} bytes per rx buffer (bufsize >= {size * itemsize})")
     return [*([args._replace(count=ring)] if ring else []), *_reduce_then_bcast(args, ring, rest,
                                                                                  itemsizes)]
+
+
+def scatter_as_sends(args: CallArgs, size: int, rank: int, itemsize: int) -> list[CallArgs]:
+    """An uncompressed eager scatter as its root's copy and sends (tag TAG_ANY, as the
+    firmware's scatter matches) and the others' receive."""
+    root, chunk = args.root_src_dst, args.count * itemsize
+    if rank != root:
+        return [args._replace(scenario=Scenario.RECV, tag=TAG_ANY, addr_0=0, addr_1=0)]
+    own = args._replace(scenario=Scenario.COPY, root_src_dst=0, tag=TAG_ANY,
+                        addr_0=args.addr_0 + root * chunk, addr_1=0)
+    return [own, *(args._replace(scenario=Scenario.SEND, root_src_dst=peer, tag=TAG_ANY,
+                                 addr_0=args.addr_0 + peer * chunk, addr_1=0, addr_2=0)
+                   for peer in range(size) if peer != root)]
 
 
 def _slice(args: CallArgs, start: int, count: int, itemsizes: tuple[int, int, int]) -> CallArgs:
