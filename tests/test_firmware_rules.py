@@ -280,15 +280,31 @@ def test_a_scatter_over_more_than_one_rx_buffer_runs_as_sends() -> None:
     assert all(step.tag == TAG_ANY for step in fw.substitute(args, 3, (4, 4, 4), SETUP, rank=1))
 
 
+def test_a_gather_over_more_than_one_rx_buffer_runs_as_sends() -> None:
+    """The ring gather relays whole chunks: past one rx buffer each rank sends its own
+    to the root, which copies its own and receives the others' in place."""
+    args = call(Scenario.GATHER, 300, root=2)
+    chunk = 300 * 4
+    assert fw.substitute(args, 3, (4, 4, 4), SETUP, rank=2) == [
+        args._replace(scenario=Scenario.COPY, root_src_dst=0, addr_1=0, addr_2=A2 + 2 * chunk),
+        args._replace(scenario=Scenario.RECV, root_src_dst=0, addr_0=0, addr_1=0, addr_2=A2),
+        args._replace(scenario=Scenario.RECV, root_src_dst=1, addr_0=0, addr_1=0,
+                      addr_2=A2 + chunk)]
+    for rank in (0, 1):
+        assert fw.substitute(args, 3, (4, 4, 4), SETUP, rank=rank) == [
+            args._replace(scenario=Scenario.SEND, addr_1=0, addr_2=0)]
+
+
 @pytest.mark.parametrize("args, size, rank, setup", [
     (call(Scenario.SCATTER, 256), 3, 0, SETUP),  # one rx buffer each: as it is
+    (call(Scenario.GATHER, 256), 3, 0, SETUP),
     (call(Scenario.SCATTER, 300), 1, 0, SETUP),  # one rank
     (call(Scenario.SCATTER, 300), 3, None, SETUP),  # rank unknown
     (call(Scenario.SCATTER, 300), 3, 0, fw.Setup(1024, 1024)),  # rendezvous
     (call(Scenario.SCATTER, 300, compression_flags=int(CompressionFlags.ETH_COMPRESSED)),
      3, 0, SETUP),
 ])
-def test_scatters_the_firmware_runs_as_they_are(args: CallArgs, size: int, rank: int | None,
+def test_scatters_and_gathers_the_firmware_runs_as_they_are(args: CallArgs, size: int, rank: int | None,
                                                setup: fw.Setup) -> None:
     assert fw.substitute(args, size, (4, 4, 4), setup, rank=rank) is None
 
@@ -336,10 +352,12 @@ async def test_substituted_bcasts_and_empty_collectives_match_numpy(
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("size", [2, 3])
-async def test_substituted_scatters_match_numpy(size: int,
-                                                firmware_path: list[list[CallArgs]]) -> None:
-    await sweep(size, "scatter", np.float32, [1000, 256, 257, 7])  # bufsize 1 KiB
-    assert any(steps[0].scenario in (Scenario.COPY, Scenario.RECV) for steps in firmware_path)
+async def test_substituted_scatters_and_gathers_match_numpy(
+        size: int, firmware_path: list[list[CallArgs]]) -> None:
+    for op in ("scatter", "gather"):
+        await sweep(size, op, np.float32, [1000, 256, 257, 7])  # bufsize 1 KiB
+    scenarios = {steps[0].scenario for steps in firmware_path}
+    assert {Scenario.COPY, Scenario.RECV, Scenario.SEND} <= scenarios
 
 
 def test_compressed_substituted_allreduce(firmware_path: list[list[CallArgs]]) -> None:

@@ -30,15 +30,17 @@ more:
   the first re-sends the first: wrong data, no error, whenever the message spans
   more than one rx buffer (`count > bufsize // itemsize`).
 
-- **The eager scatter** sends each rank its whole chunk as one message ("TODO:
-  implement segmentation"), where send and bcast cut theirs into rx buffers. On
-  the emulator a chunk of 2 or 3 rx buffers arrives (slowly), one of more stalls
-  the root's transmit path (its `eth_tx_cmd` and `dma_read_data_1` streams stay
-  full) until every rank times out: a scatter of 4,096 float32 per rank with
-  4 KiB rx buffers never ends. A message larger than an rx buffer is nothing the
-  receiving side's rx buffers are made for, so any scatter whose chunk spans more
-  than one rx buffer runs as what it means: the root copies its own chunk and
-  sends each other rank its own (cut into rx buffers), the others receive.
+- **The eager scatter and gather** move each rank's whole chunk as one message
+  (the scatter's source says "TODO: implement segmentation"; the ring gather
+  relays whole chunks), where send and bcast cut theirs into rx buffers. On the
+  emulator a chunk of 2 or 3 rx buffers arrives (slowly), one of more stalls the
+  sender's transmit path (its `eth_tx_cmd` and `dma_read_data_1` streams stay
+  full) until every rank times out: a scatter or gather of 4,096 float32 per
+  rank with 4 KiB rx buffers never ends. A message larger than an rx buffer is
+  nothing the receiving side's rx buffers are made for, so any such call whose
+  chunk spans more than one rx buffer runs as what it means: the root copies its
+  own chunk and sends each other rank its own (scatter), or receives each
+  rank's (gather), cut into rx buffers by the firmware's send.
 
 reduce_scatter and allgather move whole `count`-element chunks per rank (no such
 cutting), and a bcast from another root ends each segment's moves on a real one.
@@ -119,7 +121,8 @@ def substitute(args: CallArgs, size: int, itemsizes: tuple[int, int, int],
         return None
     if args.count == 0:  # nothing to move: nothing to wait for either
         return [args._replace(scenario=Scenario.NOP)]
-    if scenario not in (Scenario.ALLREDUCE, Scenario.BCAST, Scenario.SCATTER):
+    if scenario not in (Scenario.ALLREDUCE, Scenario.BCAST, Scenario.SCATTER,
+                        Scenario.GATHER):
         return None
     itemsize = max(itemsizes)  # the arithmetic config's uncompressed element
     if not itemsize:
@@ -127,11 +130,11 @@ def substitute(args: CallArgs, size: int, itemsizes: tuple[int, int, int],
     if args.count * itemsize > setup.max_eager_size and not args.compression_flags \
             and not args.stream_flags:
         return None  # rendezvous: a reduce and a bcast, or a tree, no ring
-    if scenario == Scenario.SCATTER:
+    if scenario in (Scenario.SCATTER, Scenario.GATHER):
         if rank is None or args.compression_flags or args.stream_flags \
                 or args.count <= setup.bufsize // itemsize:
             return None  # (compressed: left to the firmware, as it stands)
-        return scatter_as_sends(args, size, rank, itemsize)
+        return as_sends(args, size, rank, itemsize)
     if scenario == Scenario.BCAST:
         segment = setup.bufsize // itemsize
         if args.stream_flags & StreamFlags.OP0_STREAM \
@@ -156,16 +159,27 @@ def substitute(args: CallArgs, size: int, itemsizes: tuple[int, int, int],
                                                                                  itemsizes)]
 
 
-def scatter_as_sends(args: CallArgs, size: int, rank: int, itemsize: int) -> list[CallArgs]:
-    """An uncompressed eager scatter as its root's copy and sends (tag TAG_ANY, as the
-    firmware's scatter matches) and the others' receive."""
+def as_sends(args: CallArgs, size: int, rank: int, itemsize: int) -> list[CallArgs]:
+    """An uncompressed eager scatter or gather as point-to-point calls (tag TAG_ANY,
+    as the firmware's own match): the root copies its own chunk, and sends each other
+    rank its chunk (scatter) or receives each other rank's (gather); the others
+    receive (scatter) or send (gather) theirs."""
     root, chunk = args.root_src_dst, args.count * itemsize
+    plain = args._replace(tag=TAG_ANY, addr_1=0)
+    if args.scenario == Scenario.SCATTER:
+        if rank != root:
+            return [plain._replace(scenario=Scenario.RECV, addr_0=0)]
+        own = plain._replace(scenario=Scenario.COPY, root_src_dst=0,
+                             addr_0=args.addr_0 + root * chunk)
+        return [own, *(plain._replace(scenario=Scenario.SEND, root_src_dst=peer,
+                                      addr_0=args.addr_0 + peer * chunk, addr_2=0)
+                       for peer in range(size) if peer != root)]
     if rank != root:
-        return [args._replace(scenario=Scenario.RECV, tag=TAG_ANY, addr_0=0, addr_1=0)]
-    own = args._replace(scenario=Scenario.COPY, root_src_dst=0, tag=TAG_ANY,
-                        addr_0=args.addr_0 + root * chunk, addr_1=0)
-    return [own, *(args._replace(scenario=Scenario.SEND, root_src_dst=peer, tag=TAG_ANY,
-                                 addr_0=args.addr_0 + peer * chunk, addr_1=0, addr_2=0)
+        return [plain._replace(scenario=Scenario.SEND, addr_2=0)]
+    own = plain._replace(scenario=Scenario.COPY, root_src_dst=0,
+                         addr_2=args.addr_2 + root * chunk)
+    return [own, *(plain._replace(scenario=Scenario.RECV, root_src_dst=peer, addr_0=0,
+                                  addr_2=args.addr_2 + peer * chunk)
                    for peer in range(size) if peer != root)]
 
 
