@@ -635,7 +635,7 @@ def test_under_mpiexec_each_process_runs_one_rank_and_rank_0_reports(
     assert ("MPI job of 2 processes: rank 1 failed: AssertionError: assert " in out
             and "rank 0 was still waiting" in out), job.explain()
     assert ">           assert buf[0] == 42" in out and "accl = <ACCL rank 1 of 2>" in out
-    assert "rank 1 left the world: rank 1 failed: AssertionError" in out
+    assert "rank 1 left the world: rank 1 failed: AssertionError" in out, job.explain()
     assert "MPI job of 2 processes: rank 1 failed: KeyError: 'rank 1 gives up'" in out
     hung = out.split("---- rank 0 was cancelled, still running ----")[1]
     assert "in test_one_rank_hangs: await anyio.sleep_forever()" in hung
