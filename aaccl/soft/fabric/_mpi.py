@@ -176,7 +176,7 @@ class MPIFabric:
 
     def _isend(self, buf: Any, dst: int, tag: int, keepalive: object) -> None:
         """Start an MPI send; `keepalive` (what it reads) lives until it completes."""
-        if self._said_farewell or dst in self.dead:  # nobody waits for it any more
+        if self._said_farewell or self.dead:  # nobody waits for it (or see `_bury`)
             return
         try:
             request = self.comm.Isend(buf, dst, tag)
