@@ -295,6 +295,21 @@ def test_a_gather_over_more_than_one_rx_buffer_runs_as_sends() -> None:
             args._replace(scenario=Scenario.SEND, addr_1=0, addr_2=0)]
 
 
+def test_an_allgather_over_more_than_one_rx_buffer_runs_as_sends() -> None:
+    """Each rank copies its own chunk, then in step k sends it to the k-th next rank
+    and receives the k-th previous rank's in place."""
+    args = call(Scenario.ALLGATHER, 300)
+    chunk = 300 * 4
+    plain = args._replace(addr_1=0)
+    assert fw.substitute(args, 3, (4, 4, 4), SETUP, rank=1) == [
+        plain._replace(scenario=Scenario.COPY, addr_2=A2 + chunk),
+        plain._replace(scenario=Scenario.SEND, root_src_dst=2, addr_2=0),
+        plain._replace(scenario=Scenario.RECV, root_src_dst=0, addr_0=0, addr_2=A2),
+        plain._replace(scenario=Scenario.SEND, root_src_dst=0, addr_2=0),
+        plain._replace(scenario=Scenario.RECV, root_src_dst=2, addr_0=0, addr_2=A2 + 2 * chunk)]
+    assert fw.substitute(call(Scenario.ALLGATHER, 256), 3, (4, 4, 4), SETUP, rank=1) is None
+
+
 @pytest.mark.parametrize("args, size, rank, setup", [
     (call(Scenario.SCATTER, 256), 3, 0, SETUP),  # one rx buffer each: as it is
     (call(Scenario.GATHER, 256), 3, 0, SETUP),
@@ -352,9 +367,9 @@ async def test_substituted_bcasts_and_empty_collectives_match_numpy(
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("size", [2, 3])
-async def test_substituted_scatters_and_gathers_match_numpy(
+async def test_substituted_scatters_gathers_and_allgathers_match_numpy(
         size: int, firmware_path: list[list[CallArgs]]) -> None:
-    for op in ("scatter", "gather"):
+    for op in ("scatter", "gather", "allgather"):
         await sweep(size, op, np.float32, [1000, 256, 257, 7])  # bufsize 1 KiB
     scenarios = {steps[0].scenario for steps in firmware_path}
     assert {Scenario.COPY, Scenario.RECV, Scenario.SEND} <= scenarios

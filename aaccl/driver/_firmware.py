@@ -30,9 +30,10 @@ more:
   the first re-sends the first: wrong data, no error, whenever the message spans
   more than one rx buffer (`count > bufsize // itemsize`).
 
-- **The eager scatter and gather** move each rank's whole chunk as one message
-  (the scatter's source says "TODO: implement segmentation"; the ring gather
-  relays whole chunks), where send and bcast cut theirs into rx buffers. On the
+- **The eager scatter, gather and allgather** move each rank's whole chunk as one
+  message (the scatter's source says "TODO: implement segmentation"; the ring
+  gather and allgather relay whole chunks), where send and bcast cut theirs into
+  rx buffers. On the
   emulator a chunk of 2 or 3 rx buffers arrives (slowly), one of more stalls the
   sender's transmit path (its `eth_tx_cmd` and `dma_read_data_1` streams stay
   full) until every rank times out: a scatter or gather of 4,096 float32 per
@@ -40,10 +41,13 @@ more:
   nothing the receiving side's rx buffers are made for, so any such call whose
   chunk spans more than one rx buffer runs as what it means: the root copies its
   own chunk and sends each other rank its own (scatter), or receives each
-  rank's (gather), cut into rx buffers by the firmware's send.
+  rank's (gather); in an allgather each rank copies its own and, in step k,
+  sends it to the k-th next rank and receives the k-th previous one's; messages
+  cut into rx buffers by the firmware's send.
 
-reduce_scatter and allgather move whole `count`-element chunks per rank (no such
-cutting), and a bcast from another root ends each segment's moves on a real one.
+reduce_scatter moves whole `count`-element chunks per rank (no such cutting) as
+well; it is left as it is (unmeasured), and a bcast from another root ends each
+segment's moves on a real one.
 """
 
 from __future__ import annotations
@@ -60,6 +64,10 @@ RECEIVING = frozenset({Scenario.SCATTER, Scenario.GATHER, Scenario.REDUCE,
                        Scenario.ALLGATHER, Scenario.REDUCE_SCATTER, Scenario.ALLTOALL,
                        Scenario.ALLREDUCE, Scenario.BCAST})
 """Collectives that nothing is left to do for when `count` is zero."""
+
+
+CHUNKED = (Scenario.SCATTER, Scenario.GATHER, Scenario.ALLGATHER)
+"""Collectives whose eager path moves each rank's chunk whole (see `as_sends`)."""
 
 
 class Refused(ValueError):
@@ -121,8 +129,7 @@ def substitute(args: CallArgs, size: int, itemsizes: tuple[int, int, int],
         return None
     if args.count == 0:  # nothing to move: nothing to wait for either
         return [args._replace(scenario=Scenario.NOP)]
-    if scenario not in (Scenario.ALLREDUCE, Scenario.BCAST, Scenario.SCATTER,
-                        Scenario.GATHER):
+    if scenario not in (Scenario.ALLREDUCE, Scenario.BCAST, *CHUNKED):
         return None
     itemsize = max(itemsizes)  # the arithmetic config's uncompressed element
     if not itemsize:
@@ -130,7 +137,7 @@ def substitute(args: CallArgs, size: int, itemsizes: tuple[int, int, int],
     if args.count * itemsize > setup.max_eager_size and not args.compression_flags \
             and not args.stream_flags:
         return None  # rendezvous: a reduce and a bcast, or a tree, no ring
-    if scenario in (Scenario.SCATTER, Scenario.GATHER):
+    if scenario in CHUNKED:
         if rank is None or args.compression_flags or args.stream_flags \
                 or args.count <= setup.bufsize // itemsize:
             return None  # (compressed: left to the firmware, as it stands)
@@ -174,6 +181,16 @@ def as_sends(args: CallArgs, size: int, rank: int, itemsize: int) -> list[CallAr
         return [own, *(plain._replace(scenario=Scenario.SEND, root_src_dst=peer,
                                       addr_0=args.addr_0 + peer * chunk, addr_2=0)
                        for peer in range(size) if peer != root)]
+    if args.scenario == Scenario.ALLGATHER:  # step k: to the k-th next, from the k-th before
+        own = plain._replace(scenario=Scenario.COPY, root_src_dst=0,
+                             addr_2=args.addr_2 + rank * chunk)
+        steps = [own]
+        for k in range(1, size):
+            to, frm = (rank + k) % size, (rank - k) % size
+            steps += [plain._replace(scenario=Scenario.SEND, root_src_dst=to, addr_2=0),
+                      plain._replace(scenario=Scenario.RECV, root_src_dst=frm, addr_0=0,
+                                     addr_2=args.addr_2 + frm * chunk)]
+        return steps
     if rank != root:
         return [plain._replace(scenario=Scenario.SEND, addr_2=0)]
     own = plain._replace(scenario=Scenario.COPY, root_src_dst=0,
