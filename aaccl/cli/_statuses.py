@@ -48,6 +48,11 @@ class _Rank:
     status: int | None = None
     gone: bool = False  # its connection dropped (a supervisor killed, say)
 
+    @property
+    def done(self) -> bool:
+        """Nothing more to wait for from it: it reported, or never will."""
+        return self.status is not None or self.gone
+
 
 class Board:
     """The launcher's side: a listening socket and a thread that serves the ranks.
@@ -97,8 +102,7 @@ class Board:
             return [r.status for r in self._ranks.values() if r.status is not None]
 
     def _missing(self) -> bool:
-        done = sum(r.status is not None or r.gone for r in self._ranks.values())
-        return done < self.nprocs
+        return sum(r.done for r in self._ranks.values()) < self.nprocs
 
     def _settled(self, now: float) -> bool:
         """Whether every rank has reported, dropped, or is too late to count on."""
@@ -106,7 +110,7 @@ class Board:
             return True
         if self._first_report is None or now - self._first_report < LATE:
             return False
-        return all(r.status is not None or r.gone for r in self._ranks.values())
+        return all(r.done for r in self._ranks.values())
 
     def _serve(self) -> None:
         sel = selectors.DefaultSelector()

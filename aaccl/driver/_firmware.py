@@ -33,11 +33,10 @@ more:
 - **The eager scatter, gather and allgather** move each rank's whole chunk as one
   message (the scatter's source says "TODO: implement segmentation"; the ring
   gather and allgather relay whole chunks), where send and bcast cut theirs into
-  rx buffers. On the
-  emulator a chunk of 2 or 3 rx buffers arrives (slowly), one of more stalls the
-  sender's transmit path (its `eth_tx_cmd` and `dma_read_data_1` streams stay
-  full) until every rank times out: a scatter or gather of 4,096 float32 per
-  rank with 4 KiB rx buffers never ends. A message larger than an rx buffer is
+  rx buffers. On the emulator a chunk of 2 or 3 rx buffers arrives (slowly), one
+  of more stalls the sender's transmit path (its `eth_tx_cmd` and
+  `dma_read_data_1` streams stay full) until every rank times out: a scatter,
+  gather or allgather of 4,096 float32 per rank with 4 KiB rx buffers never ends. A message larger than an rx buffer is
   nothing the receiving side's rx buffers are made for, so any such call whose
   chunk spans more than one rx buffer runs as what it means: the root copies its
   own chunk and sends each other rank its own (scatter), or receives each
@@ -119,8 +118,8 @@ def substitute(args: CallArgs, size: int, itemsizes: tuple[int, int, int],
     """Calls that do what `args` asks where ACCL's firmware would hang or give wrong
     data on `args` itself, in the order to run them; None where it runs `args` right.
 
-    `size` is the communicator's and `rank` this rank's place in it (a scatter's
-    stand-ins differ by rank), `itemsizes` the element bytes of the buffers at
+    `size` is the communicator's and `rank` this rank's place in it (the stand-ins
+    for a scatter, gather or allgather differ by rank), `itemsizes` the element bytes of the buffers at
     addr_0, addr_1 and addr_2 (the first is the arithmetic's, uncompressed, unless
     OP0_COMPRESSED). Raises `Refused` for what no such calls can do.
     """
@@ -167,10 +166,12 @@ def substitute(args: CallArgs, size: int, itemsizes: tuple[int, int, int],
 
 
 def as_sends(args: CallArgs, size: int, rank: int, itemsize: int) -> list[CallArgs]:
-    """An uncompressed eager scatter or gather as point-to-point calls (tag TAG_ANY,
-    as the firmware's own match): the root copies its own chunk, and sends each other
-    rank its chunk (scatter) or receives each other rank's (gather); the others
-    receive (scatter) or send (gather) theirs."""
+    """An uncompressed eager scatter, gather or allgather as point-to-point calls (tag
+    TAG_ANY, as the firmware's own match). Scatter and gather: the root copies its own
+    chunk, and sends each other rank its chunk (scatter) or receives each other
+    rank's (gather); the others receive (scatter) or send (gather) theirs.
+    Allgather: each rank copies its own chunk, then in step k sends it to the k-th
+    next rank and receives the k-th previous one's."""
     root, chunk = args.root_src_dst, args.count * itemsize
     plain = args._replace(tag=TAG_ANY, addr_1=0)
     if args.scenario == Scenario.SCATTER:
@@ -181,7 +182,7 @@ def as_sends(args: CallArgs, size: int, rank: int, itemsize: int) -> list[CallAr
         return [own, *(plain._replace(scenario=Scenario.SEND, root_src_dst=peer,
                                       addr_0=args.addr_0 + peer * chunk, addr_2=0)
                        for peer in range(size) if peer != root)]
-    if args.scenario == Scenario.ALLGATHER:  # step k: to the k-th next, from the k-th before
+    if args.scenario == Scenario.ALLGATHER:
         own = plain._replace(scenario=Scenario.COPY, root_src_dst=0,
                              addr_2=args.addr_2 + rank * chunk)
         steps = [own]
