@@ -310,6 +310,38 @@ def test_an_allgather_over_more_than_one_rx_buffer_runs_as_sends() -> None:
     assert fw.substitute(call(Scenario.ALLGATHER, 256), 3, (4, 4, 4), SETUP, rank=1) is None
 
 
+def test_a_reduce_scatter_over_more_than_one_rx_buffer_runs_as_reduces() -> None:
+    """The ring relays whole chunks: past one rx buffer, chunk k is reduced to rank k,
+    for each k in turn (the same calls on every rank, but where the result lands)."""
+    args = call(Scenario.REDUCE_SCATTER, 300, function=1)
+    chunk = 300 * 4
+    for rank in range(2):
+        assert fw.substitute(args, 2, (4, 4, 4), SETUP, rank=rank) == [
+            args._replace(scenario=Scenario.REDUCE, root_src_dst=k, addr_0=A0 + k * chunk,
+                          addr_1=0, addr_2=A2 if k == rank else 0) for k in range(2)]
+    assert fw.substitute(call(Scenario.REDUCE_SCATTER, 256), 3, (4, 4, 4), SETUP, rank=1) is None
+    # on 3 ranks each of those reduces is cut, as a reduce is (below)
+    steps = fw.substitute(args, 3, (4, 4, 4), SETUP, rank=1)
+    assert steps is not None
+    assert [(s.root_src_dst, s.count) for s in steps] == [(0, 256), (0, 44), (1, 256), (1, 44),
+                                                           (2, 256), (2, 44)]
+    assert covered(steps, A0, 4, 300, "addr_0") == list(range(900))
+    assert [s.addr_2 for s in steps] == [0, 0, A2, A2 + 1024, 0, 0]
+
+
+def test_a_reduce_on_three_ranks_over_more_than_one_rx_buffer_runs_in_pieces() -> None:
+    """Ranks between the root's neighbour and the root relay the whole message: on
+    3 ranks or more, past one rx buffer, it goes one rx buffer's worth at a time."""
+    args = call(Scenario.REDUCE, 600, root=1)
+    steps = fw.substitute(args, 3, (4, 4, 4), SETUP, rank=0)
+    assert steps is not None and [s.count for s in steps] == [256, 256, 88]
+    same = {"count": 0, "addr_0": 0, "addr_1": 0, "addr_2": 0}
+    assert all(s._replace(**same) == args._replace(**same) for s in steps)
+    assert covered(steps, A0, 4, 600, "addr_0") == covered(steps, A2, 4, 600) == list(range(600))
+    assert fw.substitute(args, 2, (4, 4, 4), SETUP, rank=0) is None  # nobody relays
+    assert fw.substitute(call(Scenario.REDUCE, 256), 4, (4, 4, 4), SETUP, rank=0) is None
+
+
 @pytest.mark.parametrize("args, size, rank, setup", [
     (call(Scenario.SCATTER, 256), 3, 0, SETUP),  # one rx buffer each: as it is
     (call(Scenario.GATHER, 256), 3, 0, SETUP),
@@ -366,13 +398,13 @@ async def test_substituted_bcasts_and_empty_collectives_match_numpy(
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("size", [2, 3])
-async def test_substituted_scatters_gathers_and_allgathers_match_numpy(
+@pytest.mark.parametrize("size", [2, 3, 4])
+async def test_substituted_chunked_collectives_match_numpy(
         size: int, firmware_path: list[list[CallArgs]]) -> None:
-    for op in ("scatter", "gather", "allgather"):
+    for op in ("scatter", "gather", "allgather", "reduce_scatter", "reduce"):
         await sweep(size, op, np.float32, [1000, 256, 257, 7])  # bufsize 1 KiB
     scenarios = {steps[0].scenario for steps in firmware_path}
-    assert {Scenario.COPY, Scenario.RECV, Scenario.SEND} <= scenarios
+    assert {Scenario.COPY, Scenario.RECV, Scenario.SEND, Scenario.REDUCE} <= scenarios
 
 
 def test_compressed_substituted_allreduce(firmware_path: list[list[CallArgs]]) -> None:
