@@ -172,7 +172,34 @@ async def test_an_eager_message_larger_than_every_rx_buffer_waits_for_its_receiv
         np.testing.assert_array_equal(dst, message(2, count))
 
 
+def rx_model(nbufs: int, bufsize: int, sizes: list[int], stored_first: int
+             ) -> list[set[int]]:
+    """Which sends are done after each receive, on a card: the rx buffers take
+    messages in arrival order while they have room (one that does not fit stalls
+    those behind it; one larger than all of them stays out until its receive takes
+    it), a send is done once its message is in the rx buffers or received, and
+    receive i frees message i's buffers. `sizes` in bytes; the first `stored_first`
+    sit in the rx buffers from the start."""
+    slots = [-(-n // bufsize) for n in sizes]
+    free = nbufs - sum(slots[:stored_first])
+    stored, waiting = set(range(stored_first)), list(range(stored_first, len(sizes)))
+    done_after = []
+    for i in range(len(sizes)):
+        if i in stored:
+            free += slots[i]
+        else:
+            waiting.remove(i)  # its receive took it from the sender
+        while waiting and slots[waiting[0]] <= free:
+            free -= slots[waiting[0]]
+            stored.add(waiting.pop(0))
+        done_after.append(stored | set(range(i + 1)))
+    return done_after
+
+
 async def test_flow_control_delivers_everything_in_order() -> None:
+    """A send the rx buffers have no room for waits for room, as on a card: freed
+    buffers take the waiting messages in order, completing their sends, and no
+    message jumps one that waits (one larger than all of them waits for its receive)."""
     # Two rx buffers of 64 bytes (16 float32 each); every message eager (stack="tcp").
     async with aaccl.open_world(2, nbufs=2, bufsize=64, timeout=5) as (a, b):
         counts = [16, 16, 16, 5, 16, 40, 1, 16, 300, 16, 16, 2, 16]
@@ -183,15 +210,48 @@ async def test_flow_control_delivers_everything_in_order() -> None:
         sends += [a.send(filled(a, message(i, n)), n, 1) for i, n in enumerate(counts) if i >= 2]
         with anyio.move_on_after(0.1):
             await sends[2]
-        assert not sends[2].done()  # no room left: it waits for its receive
+        assert not sends[2].done()  # no room left: it waits
+        expected = rx_model(2, 64, [4 * n for n in counts], stored_first=2)
         for i, n in enumerate(counts):
-            if i >= 2:
-                assert not sends[i].done(), f"send {i} completed before its receive"
             dst = b.allocate(n, np.float32)
             await b.recv(dst, n, 0)
             np.testing.assert_array_equal(dst, message(i, n))
+            assert {j for j, sent in enumerate(sends) if sent.done()} == expected[i], \
+                f"after receive {i}"
         for sent in sends:
             await sent
+
+
+async def test_a_send_waiting_for_room_completes_when_earlier_messages_are_received() -> None:
+    """Rank 0 fills rank 1's rx buffers, then sends B, which has no room; once B's
+    send is done it sends C, which rank 1 receives before B. On a card, B's send
+    completes as soon as rank 1's receive of the first message frees its buffers;
+    were B's send to wait for B's own receive, both ranks would wait forever."""
+    async with aaccl.open_world(2, nbufs=2, bufsize=64, timeout=2) as (a, b):
+        waiting = anyio.Event()
+
+        async def rank0() -> None:
+            await a.send(filled(a, message(0, 32)), 32, 1, tag=1)  # both rx buffers
+            sent = a.send(filled(a, message(1, 16)), 16, 1, tag=2)
+            assert not sent.done()  # no room
+            waiting.set()
+            await sent
+            await a.send(filled(a, message(2, 16)), 16, 1, tag=3)
+
+        got = []
+
+        async def rank1() -> None:
+            await waiting.wait()  # (a receive posted earlier would take A at once)
+            for tag, n in ((1, 32), (3, 16), (2, 16)):
+                dst = b.allocate(n, np.float32)
+                await b.recv(dst, n, 0, tag=tag)
+                got.append(np.array(dst))
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(rank1)
+            tasks.start_soon(rank0)
+        for have, (i, n) in zip(got, ((0, 32), (2, 16), (1, 16))):
+            np.testing.assert_array_equal(have, message(i, n))
 
 
 async def test_flow_control_with_ranks_as_tasks() -> None:

@@ -321,6 +321,23 @@ async def flow(checks: Checks, accl: aaccl.ACCL) -> None:
         await accl.barrier()
     checks()
 
+    # a send with no room waits for room, as on a card: the receive of the message
+    # that filled the window makes room for it, so its sender goes on to send C,
+    # which the receiver takes before it (a send that waited for its own receive
+    # would leave both ranks waiting)
+    if accl.rank == SENDER:
+        await accl.send(filled(accl, message(0, 16 * window)), 16 * window, RECEIVER, tag=1)
+        sent = accl.send(filled(accl, message(1, 16)), 16, RECEIVER, tag=2)
+        await accl.barrier()  # (the receiver takes nothing before it)
+        await sent
+        await accl.send(filled(accl, message(2, 16)), 16, RECEIVER, tag=3)
+    else:
+        await accl.barrier()
+        if accl.rank == RECEIVER:
+            for i, tag, n in ((0, 1, 16 * window), (2, 3, 16), (1, 2, 16)):
+                same(await receive(accl, n, SENDER, tag=tag), message(i, n), f"tag {tag}")
+    checks()
+
     # sends blocked on one receiver do not hold up another
     if accl.size >= 3:
         if accl.rank == SENDER:

@@ -8,6 +8,7 @@ steps match exactly on (source, comm, seq, scenario, tag), in a dict.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -119,6 +120,7 @@ class Inbox:
         self._early_puts: list[Message] = []  # puts that came before the CCLO was there
         self._orders = itertools.count()
         self.rx: RxPool | None = None
+        self._no_room: deque[Message] = deque()  # eager messages waiting for rx buffers
 
     def _stream(self, key: Key, src: int) -> Stream:
         stream = self._streams.get((key, src))
@@ -161,7 +163,7 @@ class Inbox:
             if msg.on_done is not None:
                 msg.on_done()
             return True
-        copied = msg.payload is None or (msg.eager and self.rx is not None and self.rx.store(msg))
+        copied = msg.payload is None or (msg.eager and self._store(msg))
         if msg.key[0] == "p2p":
             for recv, matched in self._stream(msg.key, msg.src).arrive(msg):
                 self._match(recv, matched)
@@ -174,11 +176,40 @@ class Inbox:
                 wait.set(self._take(msg))
         return copied
 
+    def _store(self, msg: Message) -> bool:
+        """Copy an eager payload into the rx buffers. As on a card, whose receive path
+        stalls until a buffer frees, one they have no room for waits for room behind
+        any that wait already: its send completes once it has room (`_make_room`) or
+        once its receive took it, whichever comes first. One larger than all rx
+        buffers stays until its receive takes it, and holds up those behind it."""
+        rx = self.rx
+        if rx is None:
+            return False
+        if not self._no_room and rx.store(msg):
+            return True
+        self._no_room.append(msg)
+        return False
+
+    def _make_room(self) -> None:
+        """Rx buffers were freed, or a waiting message taken: store the messages
+        waiting for room, in order, and complete their sends."""
+        queue, rx = self._no_room, self.rx
+        while queue and rx is not None:
+            msg = queue[0]
+            if msg.state == MessageState.PENDING and msg.payload is not None:
+                if not rx.store(msg):
+                    return
+                if msg.consumed is not None:
+                    msg.consumed.set()
+            queue.popleft()  # stored now, or taken, withdrawn or dropped meanwhile
+
     def withdraw(self, msg: Message) -> bool:
         """The sender gave up: drop the message unless a receive has started on it."""
         if msg.state != MessageState.PENDING:
             return False
         msg.state = MessageState.WITHDRAWN
+        if self._no_room:  # it may have held up others
+            self._make_room()
         if msg.key[0] != "p2p":
             self._steps.pop((msg.src, msg.key), None)
             return True
@@ -332,3 +363,5 @@ class Inbox:
             msg.consumed.set()
         if msg.on_done is not None:
             msg.on_done()
+        if self._no_room:
+            self._make_room()

@@ -12,9 +12,13 @@ Flow control keeps the eager semantics of the CCLO: a sender may have at most it
 share of the receiver's rx buffers (`nbufs / (size - 1)` segments) in eager
 messages not yet acknowledged (an eager message is acknowledged when its rx
 buffers are free again). Within that window an eager send completes as soon as
-MPI has a copy of the data; beyond it, or for messages above the eager threshold,
-the send completes when a receive has taken the data (acknowledged then: the
-payload is the receiver's own copy), and a sender that times out withdraws it.
+MPI has a copy of the data. An eager message beyond it waits for room, as on a
+card: it goes out at once, for a receive to take (acknowledged then: the payload
+is the receiver's own copy), and its send completes when that happens or when
+acknowledgements of earlier messages make room for it in the window, whichever
+comes first; it holds up later eager messages to the same rank meanwhile. A
+message above the eager threshold completes when its receive has taken it. A
+sender that times out withdraws its message.
 
 A process of the job may die at any moment (killed, out of memory). Nothing here
 waits on one peer inside MPI: payloads are received with nonblocking receives that
@@ -101,6 +105,8 @@ class MPIFabric:
         self._eager: dict[int, tuple[int, int]] = {}  # id -> (dst, segments) awaiting ack
         self._used = [0] * self.size  # eager segments awaiting ack, per destination
         self._waiting: dict[int, _Awaited] = {}  # non-eager sends awaiting ack, by id
+        # per destination, eager sends beyond the window, in order: (id, segments)
+        self._for_room: list[deque[tuple[int, int]]] = [deque() for _ in range(self.size)]
         self._incoming: dict[tuple[int, int], Message] = {}  # non-eager, by (src, id)
         # per source, what arrived and waits (behind a payload still coming) to be handled
         self._arriving: dict[int, deque[tuple[Any, Callable[..., Any], tuple[Any, ...]]]] = {}
@@ -147,15 +153,20 @@ class MPIFabric:
         payload = msg.payload
         nbytes = 0 if payload is None else payload.nbytes
         segments = -(-nbytes // self.bufsize)
+        queued = False  # an eager message waiting for room in the window
         with self._lock:
             msg_id = next(self._ids)
-            eager = msg.eager and not msg.tombstone and self._used[dst] + segments <= self.window
+            eager = msg.eager and not msg.tombstone and not self._waits_for_room(dst) \
+                and self._used[dst] + segments <= self.window
             if eager and segments:
                 self._used[dst] += segments
                 self._eager[msg_id] = (dst, segments)
             request: _Awaited | None = None
             if not eager and not msg.tombstone:
                 request = self._waiting[msg_id] = _Awaited(self, dst, msg_id, timeout_code)
+                if msg.eager:
+                    self._for_room[dst].append((msg_id, segments))
+                    queued = segments <= self.window  # may complete before MPI read it
         inline = 0 < nbytes <= INLINE_BYTES
         header = (msg_id, msg.key, msg.seq, msg.tag, eager, msg.tombstone, nbytes, inline,
                   msg.fp, msg.notice)
@@ -165,7 +176,7 @@ class MPIFabric:
             return request
         self._send_obj(header, dst, HEADER)
         if nbytes:
-            if eager:  # the send completes now: MPI must not read our memory
+            if eager or queued:  # the send may complete now: MPI must not read our memory
                 payload = payload.copy()
             self._isend([payload, nbytes, self._byte], dst, _payload_tag(msg_id), payload)
         return request
@@ -379,8 +390,36 @@ class MPIFabric:
             if eager is not None:
                 self._used[eager[0]] -= eager[1]
             awaited = self._waiting.pop(msg_id, None)
-        if awaited is not None:
-            self.engine.post(awaited.set)
+            done = [] if awaited is None else [awaited]
+            # room freed, or a send that held up others done
+            dst = eager[0] if eager is not None else None if awaited is None else awaited.dst
+            if dst is not None:
+                done += self._make_room(dst)
+        for wait in done:
+            self.engine.post(wait.set)
+
+    def _waits_for_room(self, dst: int) -> bool:
+        """Whether an eager send to `dst` waits for room in the window (under the lock)."""
+        queue = self._for_room[dst]
+        while queue and queue[0][0] not in self._waiting:  # taken or withdrawn meanwhile
+            queue.popleft()
+        return bool(queue)
+
+    def _make_room(self, dst: int) -> list[_Awaited]:
+        """Acknowledgements freed room in `dst`'s window: the sends waiting for it that
+        it now holds, in order, are done (under the lock; their messages went out as
+        non-eager, and are acknowledged when taken, which frees their room again)."""
+        done = []
+        queue = self._for_room[dst]
+        while self._waits_for_room(dst):
+            msg_id, segments = queue[0]
+            if self._used[dst] + segments > self.window:
+                break
+            queue.popleft()
+            done.append(self._waiting.pop(msg_id))
+            self._used[dst] += segments
+            self._eager[msg_id] = (dst, segments)
+        return done
 
     def _reap(self) -> None:
         """Forget MPI sends that have completed (and the buffers they kept alive)."""
@@ -393,6 +432,9 @@ class MPIFabric:
         with self._lock:
             if self._waiting.pop(msg_id, None) is None:
                 return False
+            done = self._make_room(dst)  # it may have held up others
+        for wait in done:
+            self.engine.post(wait.set)
         self._send_obj(msg_id, dst, WITHDRAW)
         return True
 
