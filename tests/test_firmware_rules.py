@@ -313,14 +313,16 @@ def test_an_allgather_over_more_than_one_rx_buffer_runs_as_sends() -> None:
 def test_a_reduce_scatter_over_more_than_one_rx_buffer_runs_as_reduces() -> None:
     """The ring relays whole chunks: past one rx buffer, chunk k is reduced to rank k,
     for each k in turn (the same calls on every rank, but where the result lands)."""
-    args = call(Scenario.REDUCE_SCATTER, 300, function=1)
-    chunk = 300 * 4
+    args = call(Scenario.REDUCE_SCATTER, 256, function=1)
+    chunk = 256 * 4
     for rank in range(2):
-        assert fw.substitute(args, 2, (4, 4, 4), SETUP, rank=rank) == [
-            args._replace(scenario=Scenario.REDUCE, root_src_dst=k, addr_0=A0 + k * chunk,
-                          addr_1=0, addr_2=A2 if k == rank else 0) for k in range(2)]
-    assert fw.substitute(call(Scenario.REDUCE_SCATTER, 256), 3, (4, 4, 4), SETUP, rank=1) is None
-    # on 3 ranks each of those reduces is cut, as a reduce is (below)
+        assert fw.substitute(args._replace(count=257), 2, (4, 4, 4), SETUP, rank=rank)[::2] == [
+            args._replace(scenario=Scenario.REDUCE, count=256, root_src_dst=k,
+                          addr_0=A0 + k * 257 * 4, addr_1=0, addr_2=A2 if k == rank else 0)
+            for k in range(2)]
+    assert fw.substitute(args, 3, (4, 4, 4), SETUP, rank=1) is None  # one rx buffer each
+    # each of those reduces is cut, as a reduce is (below)
+    args = call(Scenario.REDUCE_SCATTER, 300, function=1)
     steps = fw.substitute(args, 3, (4, 4, 4), SETUP, rank=1)
     assert steps is not None
     assert [(s.root_src_dst, s.count) for s in steps] == [(0, 256), (0, 44), (1, 256), (1, 44),
@@ -329,16 +331,17 @@ def test_a_reduce_scatter_over_more_than_one_rx_buffer_runs_as_reduces() -> None
     assert [s.addr_2 for s in steps] == [0, 0, A2, A2 + 1024, 0, 0]
 
 
-def test_a_reduce_on_three_ranks_over_more_than_one_rx_buffer_runs_in_pieces() -> None:
-    """Ranks between the root's neighbour and the root relay the whole message: on
-    3 ranks or more, past one rx buffer, it goes one rx buffer's worth at a time."""
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_reduce_over_more_than_one_rx_buffer_runs_in_pieces(size: int) -> None:
+    """Every rank of the chain but the first receives the whole message in one move:
+    past one rx buffer, it goes one rx buffer's worth at a time."""
     args = call(Scenario.REDUCE, 600, root=1)
-    steps = fw.substitute(args, 3, (4, 4, 4), SETUP, rank=0)
+    steps = fw.substitute(args, size, (4, 4, 4), SETUP, rank=0)
     assert steps is not None and [s.count for s in steps] == [256, 256, 88]
     same = {"count": 0, "addr_0": 0, "addr_1": 0, "addr_2": 0}
     assert all(s._replace(**same) == args._replace(**same) for s in steps)
     assert covered(steps, A0, 4, 600, "addr_0") == covered(steps, A2, 4, 600) == list(range(600))
-    assert fw.substitute(args, 2, (4, 4, 4), SETUP, rank=0) is None  # nobody relays
+    assert fw.substitute(args, 1, (4, 4, 4), SETUP, rank=0) is None
     assert fw.substitute(call(Scenario.REDUCE, 256), 4, (4, 4, 4), SETUP, rank=0) is None
 
 

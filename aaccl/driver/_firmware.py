@@ -44,15 +44,15 @@ more:
   sends it to the k-th next rank and receives the k-th previous one's; messages
   cut into rx buffers by the firmware's send.
 
-- **The eager reduce and reduce_scatter** relay whole chunks as well: the reduce's
-  chain from the rank after the root moves all `count` elements in one move at
-  each rank between (on 2 ranks there is none: the root's neighbour sends, cut
-  into rx buffers), and the ring reduce_scatter relays each rank's chunk. On the
-  emulator, 4 KiB rx buffers, a reduce of 4,096 float32 on 3 ranks and a
-  reduce_scatter of 4,096 per rank on 2 time out. Past one rx buffer a reduce on
-  3 ranks or more runs as reduces of one rx buffer's worth each, and a
-  reduce_scatter as one reduce per rank, of that rank's chunk to that rank (those
-  on 3 ranks or more cut likewise).
+- **The eager reduce and reduce_scatter** move whole chunks as well: along the
+  reduce's chain from the rank after the root, every rank but that first one
+  receives (and reduces, and forwards) all `count` elements in one move, and the
+  ring reduce_scatter relays each rank's chunk. On the emulator, 4 KiB rx
+  buffers: a reduce of 4,096 float32 on 3 ranks and a reduce_scatter of 4,096 per
+  rank on 2 time out; a reduce of 4,096 on 2 ranks passes, its root's receive
+  taking seconds. Past one rx buffer a reduce runs as reduces of one rx buffer's
+  worth each, and a reduce_scatter as one reduce per rank, of that rank's chunk
+  to that rank, cut likewise.
 
 A bcast from another root ends each segment's moves on a real one.
 """
@@ -221,11 +221,10 @@ def as_sends(args: CallArgs, size: int, rank: int, itemsize: int) -> list[CallAr
 
 def _in_rx_buffers(args: CallArgs, size: int, itemsizes: tuple[int, int, int],
                    setup: Setup) -> list[CallArgs] | None:
-    """A reduce (eager, uncompressed) as reduces of one rx buffer's worth each, where
-    ranks between the root's neighbour and the root relay its whole chunk (3 ranks
-    or more); None for any other call."""
+    """A reduce (eager, uncompressed, on 2 ranks or more) past one rx buffer as
+    reduces of one rx buffer's worth each; None for any other call."""
     segment = setup.bufsize // max(itemsizes)
-    if args.scenario != Scenario.REDUCE or size < 3 or args.count <= segment:
+    if args.scenario != Scenario.REDUCE or size < 2 or args.count <= segment:
         return None
     return [_slice(args, start, min(segment, args.count - start), itemsizes)
             for start in range(0, args.count, segment)]
