@@ -30,8 +30,15 @@ BOTH_STREAMS = OP0_STREAM | RES_STREAM
 
 
 def _head(buf: Buffer, elements: int) -> Buffer:
-    """The first `elements` elements of a buffer, as a flat Buffer view."""
-    return cast(Buffer, buf.reshape(-1)[:elements])
+    """The first `elements` elements of a (checked, so contiguous) buffer, as a flat
+    Buffer: the buffer itself where it is that already, else a view that starts at
+    the buffer's device address (looking it up anew costs more than the call's
+    sync of a small message)."""
+    if elements == buf.size and buf.ndim == 1:
+        return buf
+    head = cast(Buffer, buf.reshape(-1)[:elements])
+    head._address = buf.device_address
+    return head
 
 
 def _spans(*accesses: tuple[Buffer | None, int]) -> tuple[Span, ...]:
@@ -294,7 +301,7 @@ class ACCL:
         its device memory (`reads`, `writes`; `sync_in` lies within `reads`) conflicts
         with, and track it."""
         self._check_open()
-        deps = check.waitfor(waitfor, self)
+        deps = () if type(waitfor) is tuple and not waitfor else check.waitfor(waitfor, self)
         submitted = time.perf_counter_ns() if _trace.active() is not None else 0
         waits = [d._device for d in deps]
         hazards: tuple[Call, ...] = ()

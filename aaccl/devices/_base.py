@@ -130,6 +130,8 @@ _local = threading.local()
 
 def _run_callbacks(call: DeviceCall, callbacks: list[Callable[[DeviceCall], None]]) -> None:
     """Run completion callbacks iteratively: one thread, one loop at a time."""
+    if not callbacks:
+        return
     pending: deque | None = getattr(_local, "pending", None)
     if pending is not None:
         pending.append((call, callbacks))

@@ -273,8 +273,12 @@ class Driver:
             if operand_dtypes is not None:
                 raise TypeError("pass dtype or operand_dtypes, not both")
             operand_dtypes = (dtype, None, None)
-        arithcfg, flags = (0, CompressionFlags.NO_COMPRESSION) if operand_dtypes is None \
-            else self._operand_compression(operand_dtypes, compress_dtype)
+        if operand_dtypes is None:
+            arithcfg, flags = 0, CompressionFlags.NO_COMPRESSION
+        elif compress_dtype is None and dtype is not None:  # the common case, kept short
+            arithcfg, flags = self._config(dtype, dtype), CompressionFlags.NO_COMPRESSION
+        else:
+            arithcfg, flags = self._operand_compression(operand_dtypes, compress_dtype)
         args = CallArgs(int(scenario), count, self.communicators[comm_id][0], root_src_dst,
                         function, tag, arithcfg, int(flags), stream_flags, *addrs)
         if not getattr(self.device, "runs_accl_firmware", False):
