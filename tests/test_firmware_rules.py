@@ -314,7 +314,6 @@ def test_a_reduce_scatter_over_more_than_one_rx_buffer_runs_as_reduces() -> None
     """The ring relays whole chunks: past one rx buffer, chunk k is reduced to rank k,
     for each k in turn (the same calls on every rank, but where the result lands)."""
     args = call(Scenario.REDUCE_SCATTER, 256, function=1)
-    chunk = 256 * 4
     for rank in range(2):
         assert fw.substitute(args._replace(count=257), 2, (4, 4, 4), SETUP, rank=rank)[::2] == [
             args._replace(scenario=Scenario.REDUCE, count=256, root_src_dst=k,
