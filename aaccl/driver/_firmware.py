@@ -159,8 +159,7 @@ def substitute(args: CallArgs, size: int, itemsizes: tuple[int, int, int],
         if args.stream_flags & StreamFlags.OP0_STREAM \
                 or not bcast_repeats(args.count, size, args.root_src_dst, segment):
             return None  # a streamed root sends one segment
-        return [_slice(args, start, min(segment, args.count - start), itemsizes)
-                for start in range(0, args.count, segment)]
+        return _pieces(args, segment, itemsizes)
     segment = args.count if args.stream_flags & StreamFlags.OP0_STREAM \
         else ring_segment(setup.bufsize, itemsize, size)
     ring, rest = allreduce_split(args.count, size, segment)
@@ -226,6 +225,11 @@ def _in_rx_buffers(args: CallArgs, size: int, itemsizes: tuple[int, int, int],
     segment = setup.bufsize // max(itemsizes)
     if args.scenario != Scenario.REDUCE or size < 2 or args.count <= segment:
         return None
+    return _pieces(args, segment, itemsizes)
+
+
+def _pieces(args: CallArgs, segment: int, itemsizes: tuple[int, int, int]) -> list[CallArgs]:
+    """`args` on consecutive slices of `segment` elements (the last may be shorter)."""
     return [_slice(args, start, min(segment, args.count - start), itemsizes)
             for start in range(0, args.count, segment)]
 

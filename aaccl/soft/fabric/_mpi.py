@@ -391,10 +391,10 @@ class MPIFabric:
                 self._used[eager[0]] -= eager[1]
             awaited = self._waiting.pop(msg_id, None)
             done = [] if awaited is None else [awaited]
-            # room freed, or a send that held up others done
-            dst = eager[0] if eager is not None else None if awaited is None else awaited.dst
-            if dst is not None:
-                done += self._make_room(dst)
+            if eager is not None:  # room freed
+                done += self._make_room(eager[0])
+            elif awaited is not None:  # a send that may have held up others is done
+                done += self._make_room(awaited.dst)
         for wait in done:
             self.engine.post(wait.set)
 
