@@ -12,6 +12,7 @@ warning, never silently.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import json
 import math
@@ -20,7 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import IO, Any
 
 import numpy as np
@@ -103,32 +104,71 @@ class Gate:
         opened.set_result(None)
 
 
-async def allreduce_spans(accls: Sequence[Any], pairs: Sequence[tuple[Any, Any]], count: int,
-                          iters: int, gated: bool = True) -> list[float]:
-    """`iters` allreduces of `count` float32 on device-resident buffers, each rank a
-    task of its own looping over them, as in a program. Gated, the ranks pass a gate
-    together before each iteration (outside the timing, as MPI's ranks meet at a
-    Barrier) and an iteration's span runs from the earliest rank's call to the latest
-    rank's return from its await; ungated they run back to back (the second timing)."""
-    from aaccl import ReduceFunction
-
-    size = len(accls)
+async def spans(calls: Sequence[Callable[[], Awaitable[Any]]], iters: int,
+                gated: bool = True) -> list[float]:
+    """`iters` rounds of `calls[r]()` awaited by rank r, each rank a task of its own
+    looping over them, as in a program. Gated, the ranks pass a gate together
+    before each round (outside the timing, as MPI's ranks meet at a Barrier) and a
+    round's span runs from the earliest rank's call to the latest rank's return from
+    its await; ungated they run back to back (the second timing)."""
+    size = len(calls)
     starts = [[0.0] * iters for _ in range(size)]
     ends = [[0.0] * iters for _ in range(size)]
     gate = Gate(size)
 
     async def rank(r: int) -> None:
-        a, (s, d) = accls[r], pairs[r]
-        begin, end = starts[r], ends[r]
+        call, begin, end = calls[r], starts[r], ends[r]
         for i in range(iters):
             if gated:
                 await gate.wait()
             begin[i] = time.perf_counter()
-            await a.allreduce(s, d, count, ReduceFunction.SUM, from_fpga=True, to_fpga=True)
+            await call()
             end[i] = time.perf_counter()
 
     await asyncio.gather(*(rank(r) for r in range(size)))
     return [max(e[i] for e in ends) - min(b[i] for b in starts) for i in range(iters)]
+
+
+async def allreduce_spans(accls: Sequence[Any], pairs: Sequence[tuple[Any, Any]], count: int,
+                          iters: int, gated: bool = True) -> list[float]:
+    """`iters` allreduces of `count` float32 on device-resident buffers, timed by
+    `spans`."""
+    from aaccl import ReduceFunction
+
+    def call(a: Any, s: Any, d: Any) -> Callable[[], Awaitable[Any]]:
+        return lambda: a.allreduce(s, d, count, ReduceFunction.SUM, from_fpga=True,
+                                   to_fpga=True)
+
+    return await spans([call(a, s, d) for a, (s, d) in zip(accls, pairs)], iters, gated)
+
+
+class BareMeeting:
+    """An allreduce of in-process ranks with nothing of aaccl: each rank suspends on
+    a future; the last to arrive sums the contributions in rank order (numpy), writes
+    every rank's result and wakes the others. What one event loop costs any
+    in-process allreduce at least: (c)'s floor."""
+
+    def __init__(self, size: int, count: int) -> None:
+        self.srcs = [np.full(count, r + 1, np.float32) for r in range(size)]
+        self.dsts = [np.zeros(count, np.float32) for _ in range(size)]
+        self.waiting: list[asyncio.Future[None]] = []
+
+    async def allreduce(self, rank: int) -> None:
+        arrived = asyncio.get_running_loop().create_future()
+        self.waiting.append(arrived)
+        if len(self.waiting) == len(self.srcs):
+            total = self.srcs[0].copy()
+            for src in self.srcs[1:]:
+                np.add(total, src, out=total)
+            for dst in self.dsts:
+                dst[...] = total
+            waiting, self.waiting = self.waiting, []
+            for future in waiting:
+                future.set_result(None)
+        await arrived
+
+    def calls(self) -> list[Callable[[], Awaitable[None]]]:
+        return [functools.partial(self.allreduce, r) for r in range(len(self.srcs))]
 
 
 async def _sweep_point(accls: list[Any], count: int, iters: int,

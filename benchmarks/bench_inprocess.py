@@ -11,7 +11,8 @@ What it measures (see benchmarks/README.md for the details):
     buffers (from_fpga=True, to_fpga=True), against mpi4py's Comm.Allreduce over 4 MPICH
     processes and against one numpy pass doing the same sums and copies;
 (b) the round trip of `await accl.nop()`;
-(c) a 4-byte allreduce (count=1 float32) over 4 in-process ranks, against MPICH's;
+(c) a 4-byte allreduce (count=1 float32) over 4 in-process ranks, against MPICH's,
+    and its floor: the same 4 tasks meeting with nothing of aaccl (BareMeeting);
 (d) the N sweep: allreduce of 4 B and 1 KiB over N = 2..64 in-process ranks, timed as
     (c), against N log N, and MPICH's Allreduce over 2 and 4 processes;
 (e) K = 1,000 and 10,000 outstanding send/recv pairs between 2 ranks: time per pair,
@@ -115,6 +116,14 @@ async def _aaccl_bench(count: int, iters: int, warmup: int, small_iters: int,
         await scaling.allreduce_spans(accls, pairs, 1, small_iters, gated=False)
         out["allreduce_small_back_to_back_s"] = (time.perf_counter() - start) / small_iters
         pairs.clear()
+
+        # (c)'s floor: the same 4 tasks, timed the same, meeting with nothing of aaccl
+        bare = scaling.BareMeeting(RANKS, 1).calls()
+        await scaling.spans(bare, max(10, small_iters // 10))
+        out["allreduce_small_floor_s"] = spread(await scaling.spans(bare, small_iters))
+        start = time.perf_counter()
+        await scaling.spans(bare, small_iters, gated=False)
+        out["allreduce_small_floor_back_to_back_s"] = (time.perf_counter() - start) / small_iters
 
         # (b) nop round trip on rank 0 (the other ranks are idle)
         accl = accls[0]
@@ -292,6 +301,10 @@ def timing_checks(results: dict[str, Any]) -> list[dict[str, Any]]:
                                        med(aac, "allreduce_small_s"),
                                        aac.get("allreduce_small_back_to_back_s"),
                                        "a back-to-back run"))
+    checks.append(scaling.timing_check("(c) floor, 4 bare asyncio tasks",
+                                       med(aac, "allreduce_small_floor_s"),
+                                       aac.get("allreduce_small_floor_back_to_back_s"),
+                                       "a back-to-back run"))
     checks.append(scaling.timing_check("(c) MPICH allreduce 4 B, 4 processes",
                                        med(mpi, "allreduce_small_s"),
                                        mpi.get("allreduce_small_back_to_back_s"),
@@ -347,7 +360,14 @@ def print_table(results: dict[str, Any], verdicts: list[dict[str, Any]]) -> None
          med(mpi, "allreduce_small_s"), None, v["allreduce_small_vs_mpi"])
     line("    back to back, per iteration (info)", aac.get("allreduce_small_back_to_back_s"),
          mpi.get("allreduce_small_back_to_back_s"), None, None)
+    floor, m_s, nop = med(aac, "allreduce_small_floor_s"), med(mpi, "allreduce_small_s"), \
+        med(aac, "nop_s")
+    line("    floor: 4 bare asyncio tasks (info)", floor, None, None, None)
     print()
+    if floor and m_s and nop:
+        print(f"(c) leaves each rank's allreduce (MPICH - floor) / {RANKS} = "
+              f"{fmt_time((m_s - floor) / RANKS)} of its own; a nop, the least call there "
+              f"is, takes {fmt_time(nop)}")
     if not all(row["binding"] for row in verdicts):
         print(f"(a)'s targets are set at {TARGET_SIZE_MIB} MiB: at {cfg['size_mib']:g} MiB "
               "their verdicts are for information only")
