@@ -266,13 +266,46 @@ def test_ranks_failing_differently_are_each_reported(tests: pytest.Pytester) -> 
     write(tests, """
 @pytest.mark.aaccl(world_size=3)
 async def test_all_fail(accl):
-    raise ValueError(f"rank {accl.rank} is unhappy")
+    raise ValueError(f"got {10 * accl.rank}")
 """)
     out = text(call_reports(tests.inline_run(*QUIET))["test_all_fail"])
     for rank in range(3):
-        assert f"---- rank {rank} failed ----" in out and f"rank {rank} is unhappy" in out
-    assert out.splitlines()[0] == ("world of 3 ranks: ranks 0, 1, 2 failed: "
-                                   "ValueError: rank 0 is unhappy")
+        assert f"---- rank {rank} failed ----" in out and f"got {10 * rank}" in out
+    assert out.splitlines()[0] == "world of 3 ranks: ranks 0-2 failed: ValueError: got 0"
+
+
+def test_ranks_alike_but_for_their_number_are_reported_once(tests: pytest.Pytester) -> None:
+    """64 ranks: one fails, the others wait in one barrier. The report has one section
+    per kind of ending, not one per rank, and names the ranks as ranges."""
+    write(tests, """
+@pytest.mark.aaccl(world_size=64)
+async def test_many(accl):
+    if accl.rank == 37:
+        raise ValueError(f"rank {accl.rank} is unhappy")
+    await accl.barrier()
+
+@pytest.mark.aaccl(world_size=8)
+async def test_all_alike(accl):
+    assert accl.size == 9, f"rank {accl.rank} is unhappy"
+""")
+    reports = call_reports(tests.inline_run(*QUIET))
+    out = text(reports["test_many"])
+    assert out.splitlines()[0].startswith("world of 64 ranks: rank 37 failed: ValueError: "
+                                          "rank 37 is unhappy; ranks ")
+    assert out.count("---- ") <= 3 and len(out.splitlines()) < 60
+    assert "rank 37 is unhappy" in out.split("---- rank 37 failed ----")[1]
+    waiting = re.findall(r"---- ranks ([\d, -]+) were (?:aborted|cancelled, still running) ----",
+                         out)
+    named = [n for part in ", ".join(waiting).split(", ") for n in
+             (range(int(part.split("-")[0]), int(part.split("-")[1]) + 1) if "-" in part
+              else [int(part)])]
+    assert sorted(named) == [r for r in range(64) if r != 37]
+    assert "differ only in their own rank numbers" in out
+    alike = text(reports["test_all_alike"])
+    assert alike.splitlines()[0].startswith("world of 8 ranks: ranks 0-7 failed: AssertionError: "
+                                            "rank 0 is unhappy")
+    assert "---- ranks 0-7 failed ----\n(rank 0's report;" in alike
+    assert alike.count("---- ") == 1
 
 
 def test_a_rank_hanging_outside_aaccl_fails_the_test_at_the_timeout_naming_it(
@@ -289,7 +322,8 @@ async def test_hang(accl):
     report = call_reports(tests.inline_run(*QUIET))["test_hang"]
     assert report.failed and report.duration < 0.5 + FAST
     out = text(report)
-    assert "rank 2 was still waiting" in out.splitlines()[0]
+    # rank 1 waits for rank 2 too: its own timeout or rank 0's failure ends its wait
+    assert re.search(r"(rank 2 was|ranks [\d, ]*\b2 were) still waiting", out.splitlines()[0])
     assert "waited 0.5 s for rank 2; rank 2 has no call outstanding" in out
     hung = out.split("---- rank 2 was cancelled, still running ----")[1]
     assert re.search(r"at test_user.py:\d+ in test_hang: await anyio.sleep_forever\(\)", hung)

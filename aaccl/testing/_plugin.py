@@ -135,9 +135,11 @@ def _plan_of(item: pytest.Item) -> Plan:
                        else MISSING,
                        job_size=_job_size(), default_device=item.config.option.aaccl_device)
     except MarkerError as error:
-        pytest.fail(str(error), pytrace=False)
-    item.stash[_PLANS] = checked
-    return checked
+        mistake = str(error)  # failed outside the handler: pytest would print it twice
+    else:
+        item.stash[_PLANS] = checked
+        return checked
+    pytest.fail(mistake, pytrace=False)
 
 
 def _markers(item: pytest.Item) -> list[pytest.Mark]:

@@ -7,6 +7,7 @@ process) and travel as plain strings, so every process can print the same report
 from __future__ import annotations
 
 import linecache
+import re
 import sysconfig
 import traceback
 from collections.abc import Sequence
@@ -68,7 +69,39 @@ def _short(path: str) -> str:
 
 
 def _ranks(numbers: Sequence[int]) -> str:
-    return ("rank " if len(numbers) == 1 else "ranks ") + ", ".join(map(str, numbers))
+    """`rank 3`, `ranks 0, 1`, `ranks 0-36, 38-63`: runs of three or more as ranges,
+    so that a report of 64 ranks stays one line."""
+    parts: list[str] = []
+    run: list[int] = []
+    for n in [*numbers, None]:
+        if run and (n is None or n != run[-1] + 1):
+            parts += [f"{run[0]}-{run[-1]}"] if len(run) >= 3 else [str(k) for k in run]
+            run = []
+        if n is not None:
+            run.append(n)
+    return ("rank " if len(numbers) == 1 else "ranks ") + ", ".join(parts)
+
+
+def _alike(outcomes: Sequence[Outcome]) -> list[list[Outcome]]:
+    """The outcomes grouped where they are the same but for each rank's own number
+    (`rank 5`, as in `barrier (rank 5, call 1)`): 63 ranks aborted in one barrier are
+    one section of the report, not 63."""
+    groups: dict[tuple[str, ...], list[Outcome]] = {}
+    for o in outcomes:
+        own = re.compile(rf"\brank {o.rank}\b")
+        key = tuple(own.sub("rank #", text)
+                    for text in (o.state, o.error, o.details, o.where, *o.calls))
+        groups.setdefault(key, []).append(o)
+    return list(groups.values())
+
+
+def _heading(group: Sequence[Outcome], what: str, several: str) -> list[str]:
+    """A section's first line; for a group, which rank's report follows."""
+    ranks = [o.rank for o in group]
+    if len(group) == 1:
+        return [f"---- {_ranks(ranks)} {what} ----"]
+    return [f"---- {_ranks(ranks)} {several} ----",
+            f"(rank {ranks[0]}'s report; the others' differ only in their own rank numbers)"]
 
 
 def summary(outcomes: Sequence[Outcome]) -> str:
@@ -96,31 +129,28 @@ def report(outcomes: Sequence[Outcome], world: str) -> str:
     """The whole story, rank by rank: each failed rank's traceback, where each waiting
     rank was and in which calls, and who passed."""
     lines = [f"{world}: {summary(outcomes)}", ""]
-    for o in outcomes:
-        if o.state == FAILED:
-            lines += [f"---- rank {o.rank} failed ----", o.details.rstrip(), ""]
-    for o in outcomes:
-        if o.waiting:
-            what = "was aborted" if o.state == ABORTED else "was cancelled, still running"
-            lines.append(f"---- rank {o.rank} {what} ----")
-            if o.where:
-                lines.append(f"at {o.where}")
-            if o.calls:
-                lines.append("waiting in " + ", ".join(o.calls))
-            elif o.state == CANCELLED:
-                lines.append("with no call outstanding")
-            if o.state == ABORTED:
-                lines.append(o.error)
-            lines.append("")
-    for o in outcomes:
-        if o.state == LOST:
-            lines += [f"---- rank {o.rank} did not report ----", o.error, ""]
+    for group in _alike([o for o in outcomes if o.state == FAILED]):
+        lines += [*_heading(group, "failed", "failed"), group[0].details.rstrip(), ""]
+    for group in _alike([o for o in outcomes if o.waiting]):
+        o = group[0]
+        lines += _heading(group, "was aborted", "were aborted") if o.state == ABORTED else \
+            _heading(group, "was cancelled, still running", "were cancelled, still running")
+        if o.where:
+            lines.append(f"at {o.where}")
+        if o.calls:
+            lines.append("waiting in " + ", ".join(o.calls))
+        elif o.state == CANCELLED:
+            lines.append("with no call outstanding")
+        if o.state == ABORTED:
+            lines.append(o.error)
+        lines.append("")
+    for group in _alike([o for o in outcomes if o.state == LOST]):
+        lines += [*_heading(group, "did not report", "did not report"), group[0].error, ""]
     passed = [o.rank for o in outcomes if o.state == PASSED]
-    skipped = [o for o in outcomes if o.state == SKIPPED]
     if passed:
         lines.append(f"{_ranks(passed)} passed")
-    for o in skipped:
-        lines.append(f"rank {o.rank} skipped: {o.error}")
+    for group in _alike([o for o in outcomes if o.state == SKIPPED]):
+        lines.append(f"{_ranks([o.rank for o in group])} skipped: {group[0].error}")
     return "\n".join(lines).rstrip() + "\n"
 
 
