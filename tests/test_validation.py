@@ -296,6 +296,8 @@ WORLD_OPTIONS = [
     ("timeout-inf", dict(timeout=math.inf), ValueError),
     ("timeout-str", dict(timeout="1"), ValueError),
     ("timeout-none", dict(timeout=None), ValueError),
+    ("timeout-bool", dict(timeout=True), ValueError),
+    ("in-order-int", dict(in_order=1), ValueError),
 ]
 
 

@@ -56,8 +56,10 @@ def _mpi_rank_and_size() -> tuple[int, int] | None:
     return None
 
 
-def _check_options(world_size: Any, device: str, fabric: str, nbufs: Any, bufsize: Any,
-                   timeout: Any) -> None:
+def check_options(world_size: Any, device: str, fabric: str, nbufs: Any, bufsize: Any,
+                  timeout: Any, in_order: Any) -> None:
+    """ValueError unless open_world can open a world with these options (the pytest
+    plugin checks a marker's with it, before any world opens)."""
     if device != "soft" and fabric != "auto":
         raise ValueError(f"fabric={fabric!r} is for the soft CCLO: the {device} device brings "
                          "its own network")
@@ -69,8 +71,11 @@ def _check_options(world_size: Any, device: str, fabric: str, nbufs: Any, bufsiz
         raise ValueError(f"unknown device {device!r}: available here: {', '.join(DEVICES)}")
     if fabric not in FABRICS:
         raise ValueError(f"unknown fabric {fabric!r}: choose from {', '.join(FABRICS)}")
-    if not isinstance(timeout, (int, float)) or not 0 < timeout < 4000 or math.isnan(timeout):
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or not 0 < timeout < 4000 or math.isnan(timeout):
         raise ValueError(f"timeout must be a positive number of seconds below 4000, got {timeout!r}")
+    if not isinstance(in_order, bool):
+        raise ValueError(f"in_order must be True or False, got {in_order!r}")
 
 
 def _stack(stack: Any, device: str, emulator_protocol: Any) -> str:
@@ -144,9 +149,7 @@ async def open_world(world_size: int | None = None, *, device: str = "soft",
     `xclbin`: rank r of this process uses card `board_idx + r` (or `board_idx[r]`),
     CCLO `cclo_idx`; `addresses` gives each rank's (IP, port) on the FPGA network.
     """
-    _check_options(world_size, device, fabric, nbufs, bufsize, timeout)
-    if not isinstance(in_order, bool):
-        raise ValueError(f"in_order must be True or False, got {in_order!r}")
+    check_options(world_size, device, fabric, nbufs, bufsize, timeout, in_order)
     stack = _stack(stack, device, emulator_protocol)
     if device != "soft":
         make = _device_maker(device, emulator_port, stack, xclbin, board_idx, cclo_idx)

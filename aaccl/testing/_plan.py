@@ -4,16 +4,16 @@ opens: pure, so a bad marker is a clear error and nothing reaches a device."""
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..api import open_world
+from ..api._world import check_options
 
 BACKENDS = ("asyncio", "trio")
-WORLD_OPTIONS = tuple(name for name in inspect.signature(open_world).parameters
-                      if name != "world_size")
+_DEFAULTS = {name: p.default for name, p in inspect.signature(open_world).parameters.items()}
+WORLD_OPTIONS = tuple(name for name in _DEFAULTS if name != "world_size")
 MISSING: Any = object()  # world_size was not parametrized
 
 
@@ -92,16 +92,14 @@ def plan(args: Sequence[Any], kwargs: Mapping[str, Any], *, argnames: Sequence[s
     if backend not in BACKENDS:
         raise MarkerError(f"aaccl marker: backend must be one of {', '.join(BACKENDS)}, "
                           f"got {backend!r}")
-    timeout = options.get("timeout", 10.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-            or math.isnan(timeout) or not 0 < timeout < 4000:
-        raise MarkerError(f"aaccl marker: timeout must be a positive number of seconds "
-                          f"below 4000, got {timeout!r}")
-    if not isinstance(options.get("in_order", False), bool):
-        raise MarkerError(f"aaccl marker: in_order must be True or False, "
-                          f"got {options['in_order']!r}")
     mpi = job_size is not None and options.get("fabric", "auto") != "inprocess"
     size = world_size_of(args, kwargs, parametrized, job_size if mpi else None)
+    world = {**_DEFAULTS, **options}
+    try:  # open_world's own checks, now: a bad option fails the test's setup, not its body
+        check_options(size, world["device"], world["fabric"], world["nbufs"], world["bufsize"],
+                      world["timeout"], world["in_order"])
+    except ValueError as error:
+        raise MarkerError(f"aaccl marker: {error}") from None
     skip = None
     if mpi and size != job_size:
         skip = (f"world_size={size}: this MPI job has {job_size} processes (one per rank); "
