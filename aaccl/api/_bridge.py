@@ -68,8 +68,10 @@ async def _wait_asyncio(loop: asyncio.AbstractEventLoop, register: Register,
     if register(wake):
         if poller is not None:
             until = time.monotonic() + POLL_FOR
-            while not future.done() and time.monotonic() < until:
+            while True:
                 poller.poll()
+                if future.done() or time.monotonic() >= until:
+                    break
                 await asyncio.sleep(0)
             if not future.done():
                 poller.park()
