@@ -123,11 +123,6 @@ class MPIFabric:
         from mpi4py import MPI
 
         self._mpi, self._byte, self._status = MPI, MPI.BYTE, MPI.Status()
-        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
-        # tasks poll only where every process of this machine has a core of its own:
-        # else a spinning rank takes the core from the peer whose message it awaits
-        self.spins = node.Get_size() <= len(os.sched_getaffinity(0))
-        node.Free()
         # the world's collectives run as MPI collectives, on a communicator of their own
         self.lane: Lane | None = None
         if self.size > 1 and os.environ.get("AACCL_MPI_COLLECTIVES", "1") != "0":
@@ -210,8 +205,8 @@ class MPIFabric:
             came = self._poll_once()
         finally:
             self._poll_lock.release()
-        if not came:  # let a process that has something to do have the core
-            os.sched_yield()
+        if not came:  # let a process that has something to do have the core: with
+            os.sched_yield()  # more processes than cores, the peer we wait for
         return came
 
     def park(self) -> None:
@@ -559,8 +554,8 @@ class MPIPort:
         return 0 if self.fabric.lane is None else self.fabric.lane.finished
 
     @property
-    def poller(self) -> MPIFabric | None:
-        return self.fabric if self.fabric.spins else None
+    def poller(self) -> MPIFabric:
+        return self.fabric
 
     def close(self) -> None:
         pass
