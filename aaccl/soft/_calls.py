@@ -718,10 +718,11 @@ class ScheduleCall(SoftCall):
             raise
         if isinstance(opened, str):
             raise CallFailed(ErrorCode.DMA_INTERNAL_ERROR, f"MPI failed: {opened}")
-        exchanged, moving = opened
-        self._verdict(exchanged)
+        gathered, agreed, moving = opened
+        if not agreed:
+            self._verdict(blocks.read(gathered, comm.size))
         if inline:
-            blocks.settle(fp, comm.rank, exchanged, op0, res, path.combine)
+            blocks.settle(fp, comm.rank, gathered, op0, res, path.combine)
             return True
         if not moving:
             return False
@@ -733,8 +734,8 @@ class ScheduleCall(SoftCall):
         return True
 
     def _verdict(self, exchanged: list[blocks.Block]) -> None:
-        """Fail our call as every rank does, from the same blocks: a peer's call did
-        not run, or does not match ours."""
+        """Fail our call as every rank does, from the same blocks (which do not all
+        `agree`): a peer's call did not run, or does not match ours."""
         comm, fp = self.comm, self.fp
         assert comm is not None and fp is not None
         for k, block in enumerate(exchanged):
@@ -748,6 +749,8 @@ class ScheduleCall(SoftCall):
             if block.fp != fp:
                 self.quiet = True  # every rank sees the same mismatch
                 raise CallFailed(*mismatch(fp, block.fp, self.dev.session, comm.sessions[k]))
+        raise CallFailed(ErrorCode.DMA_INTERNAL_ERROR, "the opening's blocks disagree, "
+                         "yet every rank's call runs, as ours does")
 
     def _leave_lane(self, code: int, why: str | None, timed_out: bool = False) -> None:
         """Our call ends before its turn in the lane is over: it still takes its

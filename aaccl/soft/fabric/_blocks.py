@@ -24,6 +24,7 @@ from ._message import Fingerprint
 BLOCK = 512
 """Bytes per rank in the opening exchange."""
 _HEADER = struct.Struct("<qqqq8s8sqqq")  # state, code, scenario, count, dtype, wire, root, function, size
+_STATE = struct.Struct("<q")
 INLINE = BLOCK - _HEADER.size
 """Bytes of data (or of a failure's reason) that ride in a rank's block."""
 
@@ -93,25 +94,35 @@ class Block:
     def why(self) -> str:
         return bytes(self.tail).rstrip(b"\0").decode(errors="replace")
 
-    def data(self, dtype: np.dtype, count: int) -> np.ndarray:
-        return self.tail[:count * dtype.itemsize].view(dtype)
-
 
 def read(gathered: np.ndarray, size: int) -> list[Block]:
     """Every rank's block from the exchange's receive buffer, in rank order."""
     return [Block(gathered[k * BLOCK:(k + 1) * BLOCK]) for k in range(size)]
 
 
-def settle(fp: Fingerprint, rank: int, blocks: list[Block], op0: np.ndarray,
+def agree(gathered: np.ndarray, size: int) -> bool:
+    """Whether every rank's call runs, all with the same fingerprint: then their
+    headers are the same bytes, so this compares bytes and decodes nothing (it runs
+    for every collective; `read` is for the rare exchange that disagrees)."""
+    raw = memoryview(gathered)
+    first = raw[:_HEADER.size]
+    if _STATE.unpack_from(first)[0] != RUNS:
+        return False
+    return all(raw[k * BLOCK:k * BLOCK + _HEADER.size] == first for k in range(1, size))
+
+
+def settle(fp: Fingerprint, rank: int, gathered: np.ndarray, op0: np.ndarray,
            res: np.ndarray, combine: Combine) -> None:
-    """Complete a collective whose data rode in the blocks: write this rank's result
-    into `op0` (a bcast's) or `res`. Reductions fold contributions in rank order,
-    as the soft CCLO's schedules do."""
+    """Complete a collective whose data rode in the blocks (`gathered`, which
+    `agree`s): write this rank's result into `op0` (a bcast's) or `res`.
+    Reductions fold contributions in rank order, as the soft CCLO's schedules do."""
     scenario, count, dtype_str, _, root, _, size = fp
     if count is None or count == 0:
         return
     dtype = np.dtype(dtype_str)
-    parts = [b.data(dtype, share(fp, k)) for k, b in enumerate(blocks)]
+    start = _HEADER.size
+    parts = [gathered[k * BLOCK + start:k * BLOCK + start + share(fp, k) * dtype.itemsize]
+             .view(dtype) for k in range(size)]
     mine = slice(rank * count, (rank + 1) * count)
     if scenario == Scenario.BCAST:
         if rank != root:

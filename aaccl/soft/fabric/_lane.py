@@ -30,7 +30,7 @@ import numpy as np
 from ..._constants import ErrorCode, ReduceFunction, Scenario
 from ..._errors import Aborted
 from .._engine import Wait
-from ._blocks import BLOCK, RUNS, read
+from ._blocks import BLOCK, agree
 from ._message import Fingerprint
 
 RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
@@ -285,10 +285,9 @@ class Lane:
     def _opened(self, op: Op, events: list[tuple[Post, tuple[Any, ...]]]) -> None:
         """An opening ended: start its transfer if every block agrees on one."""
         self._opening, self.stuck = None, ""
-        assert op.gathered is not None
-        blocks = read(op.gathered, self.size)
-        first = blocks[0]
-        agreed = all(b.state == RUNS and b.fp == first.fp for b in blocks)
+        gathered = op.gathered
+        assert gathered is not None
+        agreed = agree(gathered, self.size)
         moving = False
         gone = self._gone() if agreed and op.transfer is not None else None
         if gone is not None:
@@ -305,7 +304,7 @@ class Lane:
         op.transfer = None
         if not moving:
             self._finish(op)
-        events.append((op.opening.set, ((blocks, moving),)))
+        events.append((op.opening.set, ((gathered, agreed, moving),)))
 
     def _finish(self, op: Op) -> None:
         op.finished = True
