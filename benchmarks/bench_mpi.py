@@ -18,10 +18,11 @@ For each process count (`--procs`, default 2 and 4) the script runs itself under
 - for information, the same aaccl allreduce on host buffers (the driver copies the
   input to the device before the call and the result back after it);
 
-- for reference at 4 bytes, the floor: what aaccl's small allreduce does, without
-  aaccl: MPI's allgather of a 512-byte block per rank holding the data (aaccl's
-  opening), awaited by an asyncio task that polls it as aaccl's tasks do, and the sum
-  of what came. No awaitable collective with such an opening can be faster here;
+- for reference, the floor: what aaccl's allreduce does, without aaccl: MPI's
+  allgather of a 512-byte block per rank (aaccl's opening) holding the data if it
+  fits, else followed by MPI's `Iallreduce`, each awaited by an asyncio task that
+  polls it as aaccl's tasks do. No awaitable collective with such an opening can be
+  faster here;
 - for comparison, aaccl with the world's collectives on the soft CCLO's own schedules
   over messages (AACCL_MPI_COLLECTIVES=0) instead of MPI's nonblocking collectives;
 
@@ -88,12 +89,12 @@ SWEEP = {"s256": 64, "s4k": 1024, "s64k": 16 * 1024, "s1m": 256 * 1024}
 TARGET = ("aaccl busbw / MPI busbw >= 0.9 at 16 MiB, and 4 B latency within 3x of MPI's "
           "(>= 0.33x), device-resident buffers")
 SIDES = ("mpi", "floor", "aaccl_device", "aaccl_host", "aaccl_schedules")
-LABELS = {"mpi": "mpi4py Allreduce", "floor": "floor: awaited opening",
+LABELS = {"mpi": "mpi4py Allreduce", "floor": "floor (no aaccl)",
           "aaccl_device": "aaccl, device buffers", "aaccl_host": "aaccl, host buffers",
           "aaccl_schedules": "aaccl, schedules"}
 """aaccl_schedules: device buffers, the world's collectives on the soft CCLO's own
 schedules over messages (AACCL_MPI_COLLECTIVES=0) instead of MPI's collectives.
-floor (4 B only): what aaccl's small allreduce does, without aaccl (`floor_side`)."""
+floor: what aaccl's allreduce does, without aaccl (`floor_side`)."""
 OPENING_BLOCK, OPENING_DATA = 512, 72
 """The opening's block per rank, and where its data starts (aaccl.soft.fabric._blocks)."""
 
@@ -153,18 +154,23 @@ def mpi_side(timer: Timer, src: np.ndarray, dst: np.ndarray, iters: int,
 
 async def floor_side(timer: Timer, src: np.ndarray, dst: np.ndarray, iters: int,
                      warmup: int) -> list[Span]:
-    """The least an awaited small allreduce costs here, whatever library runs it:
-    MPI's allgather of a block per rank holding the data (aaccl's opening), awaited
-    by an asyncio task that polls it as aaccl's tasks do (a vain test yields the core
-    and then the event loop), and the sum of the blocks' data. Nothing else: no
-    fingerprint check, no device memory, no call object, no dependencies."""
+    """The least an awaited allreduce with aaccl's opening costs here, whatever
+    library runs it: MPI's allgather of a block per rank (holding the data, if it
+    fits), then, for data that does not, MPI's Iallreduce; each awaited by an asyncio
+    task that polls it as aaccl's tasks do (a vain test yields the core, then the
+    event loop), and the sum of the blocks' data. Nothing else: no fingerprint
+    check, no device memory, no call object, no dependencies."""
+    from mpi4py import MPI
+
     comm, spans = timer.comm.Dup(), []
     size, nbytes = comm.Get_size(), src.nbytes
+    inline = nbytes <= OPENING_BLOCK - OPENING_DATA
     block = np.zeros(OPENING_BLOCK, np.uint8)
-    block[OPENING_DATA:OPENING_DATA + nbytes] = src.view(np.uint8)
+    if inline:
+        block[OPENING_DATA:OPENING_DATA + nbytes] = src.view(np.uint8)
     gathered = np.empty(size * OPENING_BLOCK, np.uint8)
     parts = gathered.reshape(size, OPENING_BLOCK)[:, OPENING_DATA:OPENING_DATA + nbytes] \
-        .view(src.dtype)
+        .view(src.dtype) if inline else None
 
     class Awaited:
         def __init__(self, request: Any) -> None:
@@ -178,7 +184,10 @@ async def floor_side(timer: Timer, src: np.ndarray, dst: np.ndarray, iters: int,
         comm.Barrier()
         start = time.perf_counter()
         await Awaited(comm.Iallgather(block, gathered))
-        np.add.reduce(parts, axis=0, out=dst)
+        if parts is not None:
+            np.add.reduce(parts, axis=0, out=dst)
+        else:
+            await Awaited(comm.Iallreduce(src, dst, MPI.SUM))
         end = time.perf_counter()
         span = timer.span(start, end)
         if i >= warmup and span is not None:
@@ -266,9 +275,11 @@ def mpi_worker(counts: dict[str, int], iters: dict[str, int], warmup: int) -> No
     mpi: dict[str, list[Span]] = {name: [] for name in counts}
     for name, (src, dst) in bufs.items():  # first half of MPI's iterations
         mpi[name] += mpi_side(timer, src, dst, iters[name] - iters[name] // 2, warmup)
-    src, dst = bufs["small"]
-    floor = asyncio.run(floor_side(timer, src, dst, iters["small"], warmup))
-    floor_ok = bool(dst[0] == expected)
+    floor: dict[str, list[Span]] = {}
+    for name, (src, dst) in bufs.items():
+        dst[:] = 0
+        floor[name] = asyncio.run(floor_side(timer, src, dst, iters[name], warmup))
+    floor_ok = all(bool(dst[0] == expected and dst[-1] == expected) for _, dst in bufs.values())
     aac, aaccl_ok = asyncio.run(aaccl_side(timer, counts, iters, warmup))
     gc.collect()
     for name, (src, dst) in bufs.items():  # second half, aaccl's world closed
@@ -277,7 +288,7 @@ def mpi_worker(counts: dict[str, int], iters: dict[str, int], warmup: int) -> No
     correct = comm.reduce(mpi_ok and floor_ok and aaccl_ok, op=MPI.LAND, root=0)
     if rank == 0:
         results = {"mpi": {name: _summary(spans) for name, spans in mpi.items()},
-                   "floor": {"small": _summary(floor)}}
+                   "floor": {name: _summary(spans) for name, spans in floor.items()}}
         for side, by_size in aac.items():
             results[side] = {name: _summary(spans) for name, spans in by_size.items()}
         print(json.dumps({"procs": size, "library": MPI.Get_library_version().splitlines()[0],
@@ -378,8 +389,6 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
             times = {side: run["results"][side][name]["median"]
                      for side in SIDES if name in run.get("results", {}).get(side, {})}
             for side in SIDES:
-                if side == "floor" and side not in times:
-                    continue  # measured at 4 B only
                 t = times.get(side)
                 algbw = None if not t else nbytes / t / 1e9
                 busbw = None if algbw is None else algbw * bus_factor(procs)
@@ -408,7 +417,8 @@ def plot(rows: list[dict[str, Any]], out: str) -> None:
     mine = [r for r in rows if r["where"] == "-" and r["time_s"]]
     procs = sorted({r["procs"] for r in mine})
     fig, axes = plt.subplots(1, len(procs), figsize=(5.5 * len(procs), 4.2), squeeze=False)
-    styles = {"mpi": ("k", "--"), "aaccl_device": ("C0", "-"), "aaccl_schedules": ("C1", ":")}
+    styles = {"mpi": ("k", "--"), "floor": ("0.6", "-."), "aaccl_device": ("C0", "-"),
+              "aaccl_schedules": ("C1", ":")}
     for ax, n in zip(axes[0], procs):
         for side, (color, line) in styles.items():
             points = sorted((r["bytes"], r["time_s"]) for r in mine
@@ -416,8 +426,8 @@ def plot(rows: list[dict[str, Any]], out: str) -> None:
             if points:
                 x, y = zip(*points)
                 ax.loglog(x, [t * 1e6 for t in y], line, color=color, marker="o",
-                          label=LABELS[side] + (" (device buffers)" if side != "mpi" and
-                                                side != "aaccl_device" else ""))
+                          label=LABELS[side] + (" (device buffers)" if side
+                                                == "aaccl_schedules" else ""))
         ax.set_title(f"allreduce, {n} processes on one machine")
         ax.set_xlabel("message size (bytes)")
         ax.set_ylabel("median latency (us)")
@@ -484,7 +494,7 @@ def print_table(results: dict[str, Any], rows: list[dict[str, Any]]) -> None:
               f"{cfg['size_mib']:g} MiB device-buffer busbw vs MPI {late:.2f}x")
         skew = ", ".join(f"{side.replace('aaccl_', 'aaccl ')} "
                          f"{fmt_time(run['results'][side]['large']['start_skew_median'])}"
-                         for side in SIDES if "large" in run["results"][side])
+                         for side in SIDES)
         env = {**results["env"], **run.get("env", {})}
         print(f"{label}: {' '.join(run['library'].split())}, MPI env vars: "
               f"{' '.join(f'{k}={v}' for k, v in env.items()) or 'none'}; results "
