@@ -68,10 +68,8 @@ async def _wait_asyncio(loop: asyncio.AbstractEventLoop, register: Register,
     if register(wake):
         if poller is not None:
             until = time.monotonic() + POLL_FOR
-            while True:
+            while not future.done() and time.monotonic() < until:
                 poller.poll()
-                if future.done() or time.monotonic() >= until:
-                    break
                 await asyncio.sleep(0)
             if not future.done():
                 poller.park()
