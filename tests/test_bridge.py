@@ -91,6 +91,30 @@ async def test_polling_yields_to_the_other_tasks(patient: None) -> None:
     assert seen and seen[0] >= 3 and poller.parks == 0
 
 
+async def test_calls_answered_at_their_first_poll_still_let_the_loop_turn() -> None:
+    """A loop of waits, each answered by its first poll, still lets the other tasks
+    run, and the cancel scope around it fires (on asyncio such an answer skips the
+    loop's turn, but not for long: _bridge.TURN_EVERY)."""
+    turns = waits = 0
+
+    async def other() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await anyio.sleep(0)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(other)
+            with anyio.move_on_after(0.05) as scope:
+                while waits < 500_000:  # (a bound: a task that never yields ends too)
+                    event = Event()
+                    await _bridge.wait(event.register, Poller(event, answer_at=1))
+                    waits += 1
+            tg.cancel_scope.cancel()
+    assert scope.cancelled_caught and turns >= 2 and waits > 0
+
+
 async def test_a_task_that_polls_in_vain_parks_and_is_woken_from_another_thread() -> None:
     event = Event()
     poller = Poller(event, answer_at=None)

@@ -34,6 +34,13 @@ POLL_FOR = 0.002
 the waiting to the device's own thread: a quick answer then costs no thread hop and
 no wake-up of the loop, and a long wait costs no core."""
 
+TURN_EVERY = 0.001
+"""On asyncio, a task whose poll answers its call at once goes on without a turn of
+the event loop (a turn costs more than the rest of a small call's wait), unless the
+loop has not turned for this many seconds: the other tasks still run, and a timeout
+or cancel scope around a loop of such calls still fires. (trio checkpoints anyway.)"""
+_next_turn = 0.0  # (monotonic) when a polling task next lets the loop turn
+
 
 async def wait(register: Register, poller: Poller | None = None) -> None:
     """Suspend the current task until the registered `wake` is called from any thread;
@@ -65,14 +72,22 @@ async def _wait_asyncio(loop: asyncio.AbstractEventLoop, register: Register,
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             pass
 
+    global _next_turn
     if register(wake):
         if poller is not None:
             until = time.monotonic() + POLL_FOR
-            while not future.done() and time.monotonic() < until:
+            while True:
                 poller.poll()
+                now = time.monotonic()
+                if future.done() and now < _next_turn:
+                    return
+                if not future.done() and now >= until:
+                    poller.park()
+                    break
                 await asyncio.sleep(0)
-            if not future.done():
-                poller.park()
+                _next_turn = time.monotonic() + TURN_EVERY
+                if future.done():
+                    break
         await future
 
 
