@@ -58,6 +58,9 @@ class SoftDevice:
         self.closed = False
         self.last: SoftCall | None = None  # the last call admitted (for `activity`)
         self.gone: dict[int, str] = {}  # peers (sessions) that left the world, and why
+        watch = getattr(port, "watch", None)  # (the MPI fabric naps while we have no calls)
+        if watch is not None:
+            watch(lambda: bool(self._calls))
         self.gone_lane: dict[int, int] = {}  # ... and how far MPI ran their collectives
         self.silent = False  # aborted whole: failing calls send no notices
         self.inbox.on_leave = self._peer_left
