@@ -95,8 +95,6 @@ LABELS = {"mpi": "mpi4py Allreduce", "floor": "floor (no aaccl)",
 """aaccl_schedules: device buffers, the world's collectives on the soft CCLO's own
 schedules over messages (AACCL_MPI_COLLECTIVES=0) instead of MPI's collectives.
 floor: what aaccl's allreduce does, without aaccl (`floor_side`)."""
-OPENING_BLOCK, OPENING_DATA = 512, 72
-"""The opening's block per rank, and where its data starts (aaccl.soft.fabric._blocks)."""
 
 
 def bus_factor(procs: int) -> float:
@@ -162,15 +160,17 @@ async def floor_side(timer: Timer, src: np.ndarray, dst: np.ndarray, iters: int,
     check, no device memory, no call object, no dependencies."""
     from mpi4py import MPI
 
+    from aaccl.soft.fabric._blocks import BLOCK, INLINE  # the opening's block, its data's room
+
     comm, spans = timer.comm.Dup(), []
-    size, nbytes = comm.Get_size(), src.nbytes
-    inline = nbytes <= OPENING_BLOCK - OPENING_DATA
-    block = np.zeros(OPENING_BLOCK, np.uint8)
+    size, nbytes, head = comm.Get_size(), src.nbytes, BLOCK - INLINE
+    inline = nbytes <= INLINE
+    block = np.zeros(BLOCK, np.uint8)
     if inline:
-        block[OPENING_DATA:OPENING_DATA + nbytes] = src.view(np.uint8)
-    gathered = np.empty(size * OPENING_BLOCK, np.uint8)
-    parts = gathered.reshape(size, OPENING_BLOCK)[:, OPENING_DATA:OPENING_DATA + nbytes] \
-        .view(src.dtype) if inline else None
+        block[head:head + nbytes] = src.view(np.uint8)
+    gathered = np.empty(size * BLOCK, np.uint8)
+    parts = gathered.reshape(size, BLOCK)[:, head:head + nbytes].view(src.dtype) \
+        if inline else None
 
     class Awaited:
         def __init__(self, request: Any) -> None:
@@ -387,7 +387,7 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
         for name in cfg["counts"]:
             nbytes = cfg["bytes"][name]
             times = {side: run["results"][side][name]["median"]
-                     for side in SIDES if name in run.get("results", {}).get(side, {})}
+                     for side in SIDES if "results" in run}
             for side in SIDES:
                 t = times.get(side)
                 algbw = None if not t else nbytes / t / 1e9

@@ -212,8 +212,8 @@ class MPIFabric:
             came = self._poll_once()
         finally:
             self._poll_lock.release()
-        if not came:  # let a process that has something to do have the core: with
-            os.sched_yield()  # more processes than cores, the peer we wait for
+        if not came:  # give the core to a process that has work: the peer we wait for,
+            os.sched_yield()  # where there are more processes than cores
         return came
 
     def park(self) -> None:
