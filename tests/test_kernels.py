@@ -220,6 +220,44 @@ async def test_a_kernel_that_raises_fails_with_kernel_error_and_its_dependents_n
     assert ran == []
 
 
+class _CodedError(aaccl.ACCLError):  # a constructor that takes more than a message
+    def __init__(self, code: int, where: str) -> None:
+        super().__init__(f"code {code} at {where}")
+        self.code, self.where = code, where
+
+
+@pytest.mark.parametrize("make", [
+    lambda: aaccl.CCLOError("my check", ErrorCode.RECEIVE_TIMEOUT_ERROR, "no data"),
+    lambda: _CodedError(7, "stage 2"),
+    lambda: aaccl.DeviceError("my own"),
+], ids=["CCLOError", "custom", "DeviceError"])
+async def test_a_kernel_raising_an_accl_error_fails_its_call_with_that_very_error(make) -> None:
+    raised = make()
+
+    def broken(buf: np.ndarray) -> None:
+        raise raised
+
+    async with aaccl.open_world(1, timeout=5) as (accl,):
+        buf = accl.allocate(4)
+        bad = accl.kernel(broken)(buf)
+        after = accl.sync_from_device(buf, waitfor=[bad])
+        with pytest.raises(type(raised)) as error:
+            await bad
+        assert error.value is raised  # not rebuilt: type, message and attributes intact
+        assert vars(error.value) == vars(raised) and str(error.value) == str(raised)
+        note = ["raised by kernel broken (rank 0, call 1)"]
+        assert error.value.__notes__ == note  # the context, added without rebuilding it
+        assert error.value.__traceback__ is not None
+        with pytest.raises(DependencyError) as dependent:
+            await after
+        assert dependent.value.__cause__ is raised
+        with pytest.raises(type(raised)):  # awaited again: the same error, noted once
+            await bad
+        assert error.value.__notes__ == note
+    if isinstance(raised, aaccl.CCLOError):
+        assert raised.code == ErrorCode.RECEIVE_TIMEOUT_ERROR and raised.detail == "no data"
+
+
 async def test_a_kernel_waiting_for_a_failed_cclo_call_never_runs() -> None:
     ran: list[int] = []
     async with aaccl.open_world(2, timeout=0.2) as (a, _):
