@@ -186,6 +186,34 @@ async def test_the_event_loop_runs_while_a_kernel_does() -> None:
         await run
 
 
+async def test_blocked_kernels_hold_back_neither_transfers_nor_other_kernels() -> None:
+    """More kernels than a device keeps workers, all blocked: a transfer of another
+    buffer and a kernel that meets one submitted after it still run at once."""
+    release, met = threading.Event(), threading.Barrier(2, timeout=10)
+
+    def hold(_: np.ndarray) -> None:
+        if not release.wait(30):
+            raise TimeoutError("never released")
+
+    async with aaccl.open_world(1) as (accl,):
+        held = [accl.allocate(4) for _ in range(16)]
+        other, one, two = accl.allocate(1000), accl.allocate(1), accl.allocate(1)
+        other[:] = np.arange(1000)
+        try:
+            blocked = [accl.kernel(hold)(buf) for buf in held]
+            with anyio.fail_after(10):  # before: behind the 8 workers the kernels hold
+                await accl.sync_to_device(other)
+                meeting = accl.kernel(lambda _: met.wait())
+                await accl.nop(waitfor=[meeting(one), meeting(two)])  # disjoint: unordered
+            assert not any(run.done() for run in blocked)  # they still block
+            other[:] = 0
+            await accl.sync_from_device(other)
+            np.testing.assert_array_equal(other, np.arange(1000))
+        finally:
+            release.set()
+        await accl.nop(waitfor=blocked)
+
+
 # -- failures ------------------------------------------------------------------------------
 
 async def test_a_kernel_that_raises_fails_with_kernel_error_and_its_dependents_never_run() -> None:
