@@ -70,7 +70,8 @@ def test_a_raising_completion_callback_fails_alone(caplog: pytest.LogCaptureFixt
 
 
 @pytest.mark.anyio
-async def test_a_raising_callback_loses_no_dependent_start(caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_raising_callback_loses_no_dependent_start(
+        caplog: pytest.LogCaptureFixture) -> None:
     def broken(_: DeviceCall) -> None:
         raise RuntimeError("callback bug")
 
