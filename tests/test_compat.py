@@ -262,6 +262,36 @@ def test_failures_raise_where_pyaccl_passed_silently(world: Any) -> None:
     a1.check_return_value("recv")
 
 
+@pytest.mark.parametrize("tag, words", [(TAG_ANY, "any tag"), (5, "tag=5")])
+def test_timeouts_name_the_tag_as_the_user_wrote_it(world: Any, tag: int, words: str) -> None:
+    """pyaccl's default tag is TAG_ANY (0xFFFFFFFF): messages say "any tag", never
+    the number, on both sides of a timed-out pair."""
+    ranks = world(2)
+    for a in ranks:
+        a.set_timeout(200_000)  # 0.2 s
+    count = 1 << 20  # above the rx buffers: a send waits for its receive
+
+    def failures(handles: list[Handle]) -> list[str]:  # both submitted before either waits
+        errors = []
+        for handle in handles:
+            with pytest.raises(aaccl.CCLOError) as error:
+                handle.wait()
+            errors.append(str(error.value))
+        return errors
+
+    received = failures([a.recv(a.allocate((8,)), 8, 1 - rank_of(a), tag, run_async=True)
+                         for a in ranks])
+    sent = failures([a.send(a.allocate((count,)), count, 1 - rank_of(a), tag, run_async=True)
+                     for a in ranks])
+    for rank, (recv, send) in enumerate(zip(received, sent)):
+        peer = 1 - rank
+        assert f"waited 0.2 s for a message from rank {peer} ({words})" in recv
+        assert f"recv(count=8, src={rank}, {words})" in recv  # the peer's call
+        assert f"no matching recv(src={rank}, {words}) ran there" in send
+        assert f"send(count={count}, dst={rank}, {words})" in send
+        assert "4294967295" not in recv + send and "tag " not in recv + send
+
+
 def test_bad_arguments_fail_before_anything_reaches_the_device(world: Any) -> None:
     with pytest.raises(ValueError, match="FPGA bitstream must be provided"):
         accl(2, 0)

@@ -191,6 +191,39 @@ async def test_compression_to_the_data_dtype_is_no_compression() -> None:
         await each_rank(accls, rank)
 
 
+@pytest.mark.parametrize("count", [16, 3000])  # eager and rendezvous
+async def test_a_compression_mismatch_names_the_wire_dtype_on_every_rank(count: int) -> None:
+    async with aaccl.open_world(2, timeout=5) as (a, b):
+        x, y = a.allocate(count, F32), b.allocate(count, F32)
+        with anyio.fail_after(5):
+            results: list[BaseException | None] = [None, None]
+
+            async def run(rank: int, call: aaccl.Call) -> None:
+                try:
+                    await call
+                except aaccl.CCLOError as error:
+                    results[rank] = error
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, 0, a.allreduce(x, x, count, SUM))
+                tg.start_soon(run, 1, b.allreduce(y, y, count, SUM, compress_dtype=F16))
+        expected = (f"rank 0 called allreduce(count={count}, float32, SUM); "
+                    f"rank 1 called allreduce(count={count}, float32 compressed to float16, SUM)")
+        for error in results:
+            assert isinstance(error, aaccl.CCLOError), results
+            assert error.code == aaccl.ErrorCode.DMA_MISMATCH_ERROR
+            assert expected in str(error)
+        x[:], y[:] = 1, 2  # and the world goes on
+
+        async def again(accl: aaccl.ACCL) -> None:
+            buf = [x, y][accl.rank]
+            await accl.allreduce(buf, buf, count, SUM)
+
+        await each_rank([a, b], again)
+        np.testing.assert_array_equal(x, 3)
+        np.testing.assert_array_equal(y, 3)
+
+
 async def test_compressed_chain_on_device() -> None:
     """A compressed allreduce feeding a compressed bcast on the device (to_fpga /
     from_fpga): the value rounded once stays a float16 value."""

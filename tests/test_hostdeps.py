@@ -1,4 +1,5 @@
-"""Host-resolved dependencies (`start_after`) and the device-memory heap, as pure logic.
+"""Host-resolved dependencies (`start_after`), host jobs (`HostJobs`) and the
+device-memory heap, as pure logic.
 
 `start_after` runs on devices that cannot take a wait list (XRT 2.11+, ACCL's
 emulator): the dependencies here are plain `DeviceCall`s completed from other
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -18,6 +20,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from aaccl.devices import CallArgs, DeviceCall
 from aaccl.devices._heap import Heap
+from aaccl.devices._jobs import JOB_WORKERS, HostJobs
 from aaccl.devices._hostdeps import start_after
 
 
@@ -192,6 +195,92 @@ def test_concurrent_completions_with_failures_abort_exactly_once(eager_switching
         retcodes = [1 if i % 5 == round_ % 5 else 0 for i in range(32)]
         assert race(deps, retcodes, call, start, register_first=round_ % 2 == 0) == []
         assert start.started == [] and done == [call] and call.aborted, f"round {round_}"
+
+
+# -- HostJobs ----------------------------------------------------------------------------
+
+@pytest.fixture
+def jobs() -> Iterator[HostJobs]:
+    jobs = HostJobs("test-jobs")
+    yield jobs
+    jobs.close()
+
+
+def workers(name: str = "test-jobs") -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == name]
+
+
+def test_a_job_never_waits_for_workers_that_blocked_jobs_hold(jobs: HostJobs) -> None:
+    release = threading.Event()
+    blocked = [jobs.run(lambda: release.wait(30)) for _ in range(2 * JOB_WORKERS)]
+    try:
+        transfer = jobs.run(lambda: None)
+        assert transfer.wait(10) and not transfer.failed  # while all 16 still block
+        assert not any(call.done() for call in blocked)
+    finally:
+        release.set()
+    assert all(call.wait(10) and not call.failed for call in blocked)
+
+
+def test_a_job_waiting_for_one_submitted_after_many_blocked_jobs_finishes(
+        jobs: HostJobs) -> None:
+    release, first, second = threading.Event(), threading.Event(), threading.Event()
+    blocked = [jobs.run(lambda: release.wait(30)) for _ in range(JOB_WORKERS)]
+    try:
+        waiting = jobs.run(lambda: first.wait(30) and second.set())
+        setting = jobs.run(first.set)
+        assert setting.wait(10) and waiting.wait(10) and second.is_set()
+    finally:
+        release.set()
+    assert all(call.wait(10) for call in blocked)
+
+
+def test_workers_are_reused_and_idle_ones_beyond_the_keep_end(jobs: HostJobs) -> None:
+    release = threading.Event()
+    ran_on: set[int] = set()
+
+    def job() -> None:
+        ran_on.add(threading.get_ident())
+        release.wait(30)
+
+    burst = [jobs.run(job) for _ in range(3 * JOB_WORKERS)]
+    release.set()
+    assert all(call.wait(10) for call in burst)
+    assert len(ran_on) == 3 * JOB_WORKERS  # one thread each while they all blocked
+    deadline = time.monotonic() + 10  # the extras end once they find the queue empty
+    while len(workers()) > JOB_WORKERS and time.monotonic() < deadline:
+        workers()[-1].join(0.05)
+    assert len(workers()) <= JOB_WORKERS
+    again: list[int] = []
+    for _ in range(50):  # one at a time: an idle worker takes each, no new thread
+        assert jobs.run(lambda: again.append(threading.get_ident())).wait(10)
+    assert set(again) <= ran_on
+
+
+def test_closing_refuses_new_jobs_runs_ready_ones_and_ends_every_worker() -> None:
+    jobs = HostJobs("closing-jobs")
+    release = threading.Event()
+    running = [jobs.run(lambda: release.wait(30)) for _ in range(3)]
+    assert jobs.run(lambda: None).wait(10)
+    jobs.close()
+    refused = jobs.run(lambda: None)
+    assert refused.wait(10) and "closed" in str(refused.error)
+    release.set()
+    assert all(call.wait(10) and not call.failed for call in running)
+    for thread in workers("closing-jobs"):
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+def test_a_raising_job_fails_its_call_with_its_exception(jobs: HostJobs) -> None:
+    error = ValueError("no good")
+
+    def job() -> None:
+        raise error
+
+    call = jobs.run(job)
+    assert call.wait(10) and call.error is error
+    assert jobs.run(lambda: None).wait(10)  # the worker lives on
 
 
 # -- Heap ----------------------------------------------------------------------------------

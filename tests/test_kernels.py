@@ -186,6 +186,34 @@ async def test_the_event_loop_runs_while_a_kernel_does() -> None:
         await run
 
 
+async def test_blocked_kernels_hold_back_neither_transfers_nor_other_kernels() -> None:
+    """More kernels than a device keeps workers, all blocked: a transfer of another
+    buffer and a kernel that meets one submitted after it still run at once."""
+    release, met = threading.Event(), threading.Barrier(2, timeout=10)
+
+    def hold(_: np.ndarray) -> None:
+        if not release.wait(30):
+            raise TimeoutError("never released")
+
+    async with aaccl.open_world(1) as (accl,):
+        held = [accl.allocate(4) for _ in range(16)]
+        other, one, two = accl.allocate(1000), accl.allocate(1), accl.allocate(1)
+        other[:] = np.arange(1000)
+        try:
+            blocked = [accl.kernel(hold)(buf) for buf in held]
+            with anyio.fail_after(10):  # before: behind the 8 workers the kernels hold
+                await accl.sync_to_device(other)
+                meeting = accl.kernel(lambda _: met.wait())
+                await accl.nop(waitfor=[meeting(one), meeting(two)])  # disjoint: unordered
+            assert not any(run.done() for run in blocked)  # they still block
+            other[:] = 0
+            await accl.sync_from_device(other)
+            np.testing.assert_array_equal(other, np.arange(1000))
+        finally:
+            release.set()
+        await accl.nop(waitfor=blocked)
+
+
 # -- failures ------------------------------------------------------------------------------
 
 async def test_a_kernel_that_raises_fails_with_kernel_error_and_its_dependents_never_run() -> None:
@@ -218,6 +246,44 @@ async def test_a_kernel_that_raises_fails_with_kernel_error_and_its_dependents_n
 
         await run_ranks(accls, rank)
     assert ran == []
+
+
+class _CodedError(aaccl.ACCLError):  # a constructor that takes more than a message
+    def __init__(self, code: int, where: str) -> None:
+        super().__init__(f"code {code} at {where}")
+        self.code, self.where = code, where
+
+
+@pytest.mark.parametrize("make", [
+    lambda: aaccl.CCLOError("my check", ErrorCode.RECEIVE_TIMEOUT_ERROR, "no data"),
+    lambda: _CodedError(7, "stage 2"),
+    lambda: aaccl.DeviceError("my own"),
+], ids=["CCLOError", "custom", "DeviceError"])
+async def test_a_kernel_raising_an_accl_error_fails_its_call_with_that_very_error(make) -> None:
+    raised = make()
+
+    def broken(buf: np.ndarray) -> None:
+        raise raised
+
+    async with aaccl.open_world(1, timeout=5) as (accl,):
+        buf = accl.allocate(4)
+        bad = accl.kernel(broken)(buf)
+        after = accl.sync_from_device(buf, waitfor=[bad])
+        with pytest.raises(type(raised)) as error:
+            await bad
+        assert error.value is raised  # not rebuilt: type, message and attributes intact
+        assert vars(error.value) == vars(raised) and str(error.value) == str(raised)
+        note = ["raised by kernel broken (rank 0, call 1)"]
+        assert error.value.__notes__ == note  # the context, added without rebuilding it
+        assert error.value.__traceback__ is not None
+        with pytest.raises(DependencyError) as dependent:
+            await after
+        assert dependent.value.__cause__ is raised
+        with pytest.raises(type(raised)):  # awaited again: the same error, noted once
+            await bad
+        assert error.value.__notes__ == note
+    if isinstance(raised, aaccl.CCLOError):
+        assert raised.code == ErrorCode.RECEIVE_TIMEOUT_ERROR and raised.detail == "no data"
 
 
 async def test_a_kernel_waiting_for_a_failed_cclo_call_never_runs() -> None:

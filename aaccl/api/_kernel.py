@@ -20,7 +20,8 @@ class Kernel:
     run's `Call`, which chains like a CCLO call: `kernel(a, b, waitfor=[recv])`,
     `allreduce(..., waitfor=[run])`.
 
-    A Python callable runs on the device's worker threads. Each `Buffer` argument
+    A Python callable runs on the device's worker threads (a thread of its own when
+    all are busy, so a kernel that blocks holds back no other). Each `Buffer` argument
     reaches it as a numpy array of that buffer's *device* memory, where a kernel on
     the card would work: sync host data in first (`ACCL.sync_to_device`) and results
     out after. On the soft CCLO that array is the device memory itself; on ACCL's

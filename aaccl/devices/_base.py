@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -35,9 +36,11 @@ class DeviceCall:
     run), which has no return code: it succeeds or ends with `error`.
 
     Devices complete it from their own threads; callbacks run on the completing
-    thread and must not block. A completion that happens inside another's callbacks
-    on the same thread (a chain failing call after call) queues its callbacks behind
-    the running ones instead of nesting, so no chain is too long for the stack.
+    thread and must not block. A callback that raises is logged on the `aaccl`
+    logger and the others run all the same. A completion that happens inside
+    another's callbacks on the same thread (a chain failing call after call) queues
+    its callbacks behind the running ones instead of nesting, so no chain is too
+    long for the stack.
     """
 
     __slots__ = ("args", "_lock", "_callbacks", "_event", "retcode", "aborted", "error",
@@ -126,6 +129,7 @@ def joined(whole: CallArgs, calls: Sequence[DeviceCall]) -> DeviceCall:
 
 
 _local = threading.local()
+log = logging.getLogger("aaccl")
 
 
 def _run_callbacks(call: DeviceCall, callbacks: list[Callable[[DeviceCall], None]]) -> None:
@@ -141,7 +145,10 @@ def _run_callbacks(call: DeviceCall, callbacks: list[Callable[[DeviceCall], None
         while pending:
             done, fns = pending.popleft()
             for fn in fns:
-                fn(done)
+                try:
+                    fn(done)
+                except Exception:  # its own failure: the others still run (and wake)
+                    log.exception("a completion callback of a device call raised")
     finally:
         _local.pending = None
 

@@ -343,8 +343,10 @@ class Driver:
     @staticmethod
     def error(call: DeviceCall, operation: str) -> Exception | None:
         """The exception a completed call stands for, or None if it succeeded."""
-        if call.error is not None and call.args is None \
-                and not isinstance(call.error, ACCLError):  # host work raised
+        if call.error is not None and call.args is None:  # host work raised: its own error
+            if isinstance(call.error, ACCLError):  # as raised, attributes and all
+                _add_note(call.error, f"raised by {operation}")
+                return call.error
             error = KernelError(f"{operation} raised {type(call.error).__name__}: {call.error}")
             error.__cause__ = call.error
             return error
@@ -369,3 +371,9 @@ class Driver:
             self.device.free(address)
         self._allocations.clear()
         self.device.close()
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    """`error.add_note(note)`, also before Python 3.11 (where the exceptiongroup
+    backport that anyio installs prints `__notes__` in tracebacks)."""
+    error.__notes__ = [*getattr(error, "__notes__", ()), note]

@@ -86,12 +86,18 @@ def _describe(args: CallArgs, dtype: np.dtype | None = None) -> str:
     if scenario in ROOTED:
         parts.append(f"root={args.root_src_dst}")
     elif scenario == Scenario.SEND:
-        parts.append(f"dst={args.root_src_dst}, tag={args.tag}")
+        parts.append(f"dst={args.root_src_dst}, {_tag(args.tag)}")
     elif scenario == Scenario.RECV:
-        parts.append(f"src={args.root_src_dst}, tag={args.tag}")
+        parts.append(f"src={args.root_src_dst}, {_tag(args.tag)}")
     if scenario in REDUCING:
         parts.append(function_name(args.function))
     return f"{scenario.name.lower()}({', '.join(parts)})"
+
+
+def _tag(tag: int) -> str:
+    """A tag as a call's argument, in words: "tag=5", and "any tag" for TAG_ANY
+    (0xFFFFFFFF, which means nothing to a reader)."""
+    return "any tag" if tag == TAG_ANY else f"tag={tag}"
 
 
 
@@ -416,7 +422,7 @@ class SendCall(SoftCall):
         if self.res_stream:
             return f"rank {self.peers_waited(wait)[0]} to take its data into its kernel stream"
         return (f"rank {self.peers_waited(wait)[0]} to receive its message (no matching "
-                f"recv(src={self.comm.rank}, tag={self.args.tag}) ran there)")
+                f"recv(src={self.comm.rank}, {_tag(self.args.tag)}) ran there)")
 
     def abandon(self) -> None:
         if not self.sent and hasattr(self, "seq"):  # fill our gap in the peer's sequence
@@ -456,7 +462,7 @@ class RecvCall(SoftCall):
                 count, _, dtype = msg.fp
                 code = SIZE_MISMATCH if count != args.count else MISMATCH
                 sent = (f"send(count={count}, {np.dtype(dtype).name}, "
-                        f"dst={dev.comm(args.comm).rank}, tag={msg.tag})")
+                        f"dst={dev.comm(args.comm).rank}, {_tag(msg.tag)})")
                 raise CallFailed(code, f"rank {msg.src} sent {sent}; rank {dev.session} "
                                        f"called {_describe(args, path.dtype)}")
             data = dev.inbox.data(msg)
@@ -477,8 +483,7 @@ class RecvCall(SoftCall):
 
 
     def waiting_for(self, wait: Wait) -> str:
-        tag = "any tag" if self.args.tag == TAG_ANY else f"tag {self.args.tag}"
-        return f"a message from rank {self.src} ({tag})"
+        return f"a message from rank {self.src} ({_tag(self.args.tag)})"
 
     def abandon(self) -> None:
         if getattr(self, "posted", None) is not None:

@@ -4,10 +4,10 @@ happy path, one rank per process:
     mpiexec -n N python tests/mpi/lane.py SUITE [timeout=...]
 
 Suites:
-  verdicts  calls that do not match (count, collective, small and large data), a call
-            aborted on one rank (its dependency failed), a call one rank rejected:
-            every rank's call fails at once with words that name both sides, and
-            the world goes on working.
+  verdicts  calls that do not match (count, collective, compression, small and large
+            data), a call aborted on one rank (its dependency failed), a call one
+            rank rejected: every rank's call fails at once with words that name both
+            sides, and the world goes on working.
   late      (timeout=0.5, 2 ranks) rank 1 comes to an allreduce long after rank 0
             gave up on it: rank 0's next collective fails at once (queued behind
             the one MPI still matches), rank 1's two fail with rank 0's reasons,
@@ -82,6 +82,17 @@ async def verdicts(checks: Checks, accl: aaccl.ACCL) -> None:
     call = accl.bcast(buf, 16, 0) if rank == 0 else accl.allreduce(buf, other, 16, SUM)
     await failing("different collectives", call, "rank 0 called bcast", "called allreduce")
     checks()
+    await still_works(checks, accl, 2)
+
+    for count in (16, 40_000):  # rank 1 compresses, the others do not
+        data = accl.allocate(count, np.float32)
+        narrow = {"compress_dtype": np.float16} if rank == 1 else {}
+        await failing(f"compression mismatch at {count}",
+                      accl.allreduce(data, data, count, SUM, **narrow),
+                      f"called allreduce(count={count}, float32, SUM)",
+                      f"rank 1 called allreduce(count={count}, float32 compressed to float16, "
+                      "SUM)")
+        checks()
     await still_works(checks, accl, 2)
 
     # rank 0's allreduce never runs: the receive it waits for fails (a size mismatch)

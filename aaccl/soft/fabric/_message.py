@@ -28,9 +28,12 @@ send and its receive: (count, wire dtype, dtype)."""
 
 def describe(fp: Fingerprint) -> str:
     """A collective's call as its user wrote it, from its fingerprint (so that
-    messages need carry no words): "bcast(count=64, float32, root=0)"."""
-    scenario, count, dtype, _, root, function, _ = fp
+    messages need carry no words): "bcast(count=64, float32, root=0)", and the wire
+    dtype where it differs: "allreduce(count=16, float32 compressed to float16, SUM)"."""
+    scenario, count, dtype, wire, root, function, _ = fp
     parts = [] if count is None else [f"count={count}", np.dtype(dtype).name]
+    if parts and wire and wire != dtype:
+        parts[1] += f" compressed to {np.dtype(wire).name}"
     if root is not None:
         parts.append(f"root={root}")
     if function is not None:
