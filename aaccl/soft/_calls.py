@@ -521,6 +521,10 @@ def _plan(scenario: int, rank: int, size: int, root: int, count: int) -> Plan:
     return Plan(schedule(Scenario(scenario), rank, size, root, count))
 
 
+_ROOT_RECEIVES = frozenset({Scenario.GATHER, Scenario.REDUCE})
+"""Collectives whose root sends nothing: nothing of its call reaches its peers."""
+
+
 class _Sending:
     """A payload of ours a peer reads in place: [start, end) of device memory."""
 
@@ -840,6 +844,10 @@ class ScheduleCall(SoftCall):
                 raise
             if done:
                 return
+        elif args.scenario in _ROOT_RECEIVES and comm is not None and comm.size > 1 \
+                and comm.rank == args.root_src_dst and self.lane is None \
+                and not hasattr(dev.port, "roll_call"):
+            self._announce()
         plan = _plan(args.scenario, 0 if comm is None else comm.rank,
                      1 if comm is None else comm.size, args.root_src_dst, args.count)
         self.path = path = dev.datapath(args)
@@ -884,6 +892,20 @@ class ScheduleCall(SoftCall):
             self.abandon()
             raise
         self.sending.clear()
+
+    def _announce(self) -> None:
+        """A gather's or reduce's root only receives: over MPI, where no roll call or
+        opening compares the members' calls, tell them ours, so that a rank that takes
+        another for the root fails at once, as in process, and no rank waits out its
+        timeout in a collective that its peers have left for the next one."""
+        comm, dev = self.comm, self.dev
+        assert comm is not None
+        for peer in comm.sessions:
+            if peer != dev.session:
+                msg = Message(dev.session, ("fp", comm.key, self.seq), self.seq, 0, None,
+                              eager=True)
+                msg.fp = self.fp
+                dev.port.post(peer, msg, 0)
 
     def _span(self, loc: Local, count: int) -> tuple[int, int]:
         itemsize = self.itemsizes[loc.slot]

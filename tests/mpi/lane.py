@@ -21,9 +21,10 @@ Suites:
             receive that rank 1 sends only after the next allreduce: that one
             overtakes it, as in process (small and large, waitfor and hazards);
             then chains of allreduces between independent ones, none awaited.
-  roots     (timeout=0.5, nbufs=4, 2 ranks) on a sub-communicator (messages, no
-            lane), gathers whose ranks name different roots fail (or succeed
-            where a rank only sent): the allreduces after them are right.
+  roots     (3 ranks, timeout=5, nbufs=4) test_communicators' gathers whose ranks
+            name different roots on a sub-communicator (messages, no lane): each
+            fails at once on every rank still in it, the allreduce after it is
+            right, and no rx buffer holds a message of theirs.
   left      (timeout=10, 2 ranks) rank 0's program raises with an allreduce still
             waiting for its dependency; rank 1's next three collectives (small and
             large) each fail at once, saying rank 0 left (fails, by design).
@@ -38,6 +39,7 @@ import anyio
 import numpy as np
 from _harness import Checks, run_suite, say
 from test_chaining import recv_dependent_allreduce_then_an_independent_one
+from test_communicators import gathers_with_different_roots
 
 import aaccl
 from aaccl import ReduceFunction
@@ -232,38 +234,9 @@ async def waitfor(checks: Checks, accl: aaccl.ACCL) -> None:
 
 
 async def roots(checks: Checks, accl: aaccl.ACCL) -> None:
-    assert accl.size == 2
-    rank = accl.rank
-    comm = accl.split_communicator([1, 0])  # not the world's: messages, no lane
-    src, dst = accl.allocate(4, np.float32), accl.allocate(8, np.float32)
-    a, b = accl.allocate(5000, np.float32), accl.allocate(5000, np.float32)
-    # each names the other the root: both only send, so each may succeed or see the
-    # other's message first (a mismatch); a message that comes after its receiver's
-    # call ended must not stay in its rx buffers (4 of them here)
-    for _ in range(24):
-        try:
-            await accl.gather(src, dst, 4, rank, comm_id=comm)
-        except aaccl.CCLOError as exc:
-            assert "MISMATCH" in str(exc), exc
-        checks()
-    # an eager send completes on its own (the rx buffers are free), its receive later
-    await accl.send(src, 4, 1 - rank, tag=11, comm_id=comm)
-    await accl.allreduce(src, dst, 4, SUM, comm_id=comm)
-    await accl.recv(dst, 4, 1 - rank, tag=11, comm_id=comm)
+    await gathers_with_different_roots(accl, fast=2.0)
     checks()
-    for self_root in (False, True):  # ... and one where both wait: it times out
-        if self_root:
-            try:
-                await accl.gather(src, dst, 4, 1 - rank, comm_id=comm)
-            except aaccl.CCLOError as exc:
-                assert "RECEIVE_TIMEOUT" in str(exc), exc
-            else:
-                raise AssertionError("each rank its own gather's root, yet no error")
-        for count in (4, 5000):
-            a[:] = rank + count
-            await accl.allreduce(a, b, count, SUM, comm_id=comm)
-            np.testing.assert_array_equal(b[:count], 1 + 2 * count)
-            checks()
+    await still_works(checks, accl, 0)
 
 
 async def gave_up(checks: Checks, accl: aaccl.ACCL) -> None:

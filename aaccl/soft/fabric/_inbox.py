@@ -115,6 +115,8 @@ class Inbox:
         self._members: dict[Key, _Member] = {}  # our running collectives, by prefix
         self._seen: dict[Key, tuple[int, Fingerprint]] = {}  # before we joined
         self._failed: dict[Key, Failure] = {}  # notices for collectives we have not joined
+        # a peer's message of a collective whose call here ended (see `deliver`)
+        self.on_stray: Callable[[Message], None] | None = None
         # a peer left its world (why, and how many collectives MPI ran it through)
         self.on_leave: Callable[[int, str, int], None] | None = None
         self._on_stream: Callable[[Message], None] | None = None  # see `stream_to`
@@ -137,6 +139,15 @@ class Inbox:
         if kind == "abort":
             self._notice(msg)
             return True
+        if kind == "fp":  # a peer's call of a collective, for us to check ours against
+            prefix = ("coll",) + msg.key[1:3]
+            if prefix[2] >= self._joined.get(prefix[1], 0) or prefix in self._members:
+                self._check(msg, prefix)
+            msg.state = MessageState.DONE
+            for acknowledge in (msg.on_taken, msg.on_done):
+                if acknowledge is not None:
+                    acknowledge()
+            return True
         if kind == "leave":
             if self.on_leave is not None and msg.notice is not None:
                 self.on_leave(msg.src, msg.notice[1], msg.seq)
@@ -158,9 +169,12 @@ class Inbox:
             if prefix[2] < self._joined.get(prefix[1], 0) and prefix not in self._members:
                 # our call of it ended (or failed as it was submitted): a message for
                 # it now comes from a peer's call that does not match ours (a matching
-                # call's messages are all taken before ours ends)
+                # call's messages are all taken before ours ends), unless ours failed
+                if prefix not in self._abandoned and msg.fp is not None \
+                        and self.on_stray is not None:
+                    self.on_stray(msg)
                 return self._drop(msg)
-            self._check(msg)
+            self._check(msg, prefix)
         if kind != "p2p" and msg.key[:3] in self._abandoned:
             return self._drop(msg)  # its collective gave up here: nobody will read it
         copied = msg.payload is None or (msg.eager and self._store(msg))
@@ -303,8 +317,7 @@ class Inbox:
         """Our call of `prefix` ended."""
         self._members.pop(prefix, None)
 
-    def _check(self, msg: Message) -> None:
-        prefix = msg.key[:3]
+    def _check(self, msg: Message, prefix: Key) -> None:
         member = self._members.get(prefix)
         if member is None:
             if msg.fp is not None and prefix not in self._seen \
@@ -325,7 +338,7 @@ class Inbox:
         if member is not None:
             member.fail(code, why, True)
         elif prefix not in self._abandoned and prefix[2] >= self._joined.get(prefix[1], 0):
-            self._failed[prefix] = (code, why)  # for our call, when it comes
+            self._failed.setdefault(prefix, (code, why))  # for our call, when it comes
 
     def expect_step(self, src: int, key: Key) -> Wait:
         """The message `src` sends for this step: set now, or when it comes."""
