@@ -558,12 +558,21 @@ class ScheduleCall(SoftCall):
             if lane is not None and not args.stream_flags:
                 self.lane = lane(comm.key)
             try:
-                self.fp = self._fingerprint(comm)
+                path = dev.datapath(args)
             except CallFailed as failed:  # it can never run: it takes its turn at once
-                self._admit()
-                self._leave_lane(failed.code, failed.detail)
+                if self.lane is not None:
+                    self.op = self.lane.admit()
+                    self.lane_index = self.op.index
+                    self._leave_lane(failed.code, failed.detail)
                 raise
-            self._admit()
+            scenario = Scenario(args.scenario)
+            self.fp = (int(scenario), None if scenario == Scenario.BARRIER else args.count,
+                       path.dtype.str, path.wire.str,
+                       args.root_src_dst if scenario in ROOTED else None,
+                       args.function if scenario in REDUCING else None, comm.size)
+            if self.lane is not None:  # (its fingerprint first: see Lane._pump)
+                self.op = self.lane.admit(self.fp)
+                self.lane_index = self.op.index
             if args.scenario in ROOTED and args.root_src_dst >= comm.size:
                 raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
             self._join(comm)
@@ -575,23 +584,6 @@ class ScheduleCall(SoftCall):
     def describe(self) -> str:
         fp = getattr(self, "fp", None)
         return _describe(self.args) if fp is None else describe(fp)
-
-    def _fingerprint(self, comm: Comm) -> Fingerprint:
-        """What every member's call of this collective must agree on."""
-        args = self.args
-        scenario = Scenario(args.scenario)
-        path = self.dev.datapath(args)
-        return (int(scenario), None if scenario == Scenario.BARRIER else args.count,
-                path.dtype.str, path.wire.str,
-                args.root_src_dst if scenario in ROOTED else None,
-                args.function if scenario in REDUCING else None, comm.size)
-
-    def _admit(self) -> None:
-        """Take our place among the collectives MPI runs, if the communicator's go
-        there (its fingerprint first: the lane may give it a pending block)."""
-        if self.lane is not None:
-            self.op = self.lane.admit(self.fp)
-            self.lane_index = self.op.index
 
     def _join(self, comm: Comm) -> None:
         """Check our call against the peers' calls of this collective (fingerprints

@@ -166,7 +166,7 @@ class Inbox:
             return True
         if kind == "coll":
             prefix = msg.key[:3]
-            if prefix[2] < self._joined.get(prefix[1], 0) and prefix not in self._members:
+            if prefix not in self._members and prefix[2] < self._joined.get(prefix[1], 0):
                 # our call of it ended (or failed as it was submitted): a message for
                 # it now comes from a peer's call that does not match ours (a matching
                 # call's messages are all taken before ours ends), unless ours failed
