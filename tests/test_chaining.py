@@ -136,6 +136,43 @@ async def test_long_chain_costs_one_await(accl: aaccl.ACCL) -> None:
 
 
 
+async def recv_dependent_allreduce_then_an_independent_one(accl: aaccl.ACCL, count: int,
+                                                           hazard: bool) -> None:
+    """Rank 0: `first` (an allreduce) waits for a receive, `second` does not; rank 1
+    sends only once its `second` is done. Correct only if `second` may overtake
+    `first` on rank 0, as it may without in_order (issue 27): over MPI too, where the
+    world's collectives go through one lane (tests/mpi/lane.py runs this). `hazard`:
+    the dependencies come from the memory each call touches instead of `waitfor`."""
+    assert accl.size == 2
+    rank = accl.rank
+    x = filled(accl, np.full(count, rank + 1, np.float32))
+    p = filled(accl, np.full(count, 10 * (rank + 1), np.float32))
+    y, q = accl.allocate(count, np.float32), accl.allocate(count, np.float32)
+    if rank == 0:
+        got = accl.recv(x, count, 1, tag=7, to_fpga=True)  # rank 1's q: 30
+        first = accl.allreduce(x, y, count, ReduceFunction.SUM, from_fpga=True,
+                               waitfor=[] if hazard else [got])
+        second = accl.allreduce(p, q, count, ReduceFunction.SUM)
+        calls = [got, first, second]
+    else:
+        first = accl.allreduce(x, y, count, ReduceFunction.SUM)
+        second = accl.allreduce(p, q, count, ReduceFunction.SUM, to_fpga=True)
+        calls = [first, second, accl.send(q, count, 0, tag=7, from_fpga=True,
+                                          waitfor=[] if hazard else [second])]
+    for call in calls:
+        await call
+    np.testing.assert_array_equal(on_device(q), 30)
+    np.testing.assert_array_equal(y, 30 + 2)
+
+
+@pytest.mark.aaccl(world_size=2, timeout=5)
+@pytest.mark.parametrize("hazard", [False, True])
+@pytest.mark.parametrize("count", [4, 5000])
+async def test_a_collective_waiting_for_a_recv_lets_later_ones_run(
+        accl: aaccl.ACCL, count: int, hazard: bool) -> None:
+    await recv_dependent_allreduce_then_an_independent_one(accl, count, hazard)
+
+
 async def test_waitfor_a_finished_call_runs_at_once() -> None:
     async with aaccl.open_world(1, timeout=5) as (accl,):
         src, dst = filled(accl, np.arange(5, dtype=np.float32)), accl.allocate(5)

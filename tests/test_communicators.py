@@ -7,6 +7,7 @@ and `dst` are communicator ranks, and chunked buffers are in communicator-rank o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
@@ -277,6 +278,52 @@ async def test_communicator_checks_use_its_size() -> None:
         # a buffer too small for the global communicator is enough for this one
         with pytest.raises(ValueError):
             a.allgather(buf, a.allocate(4, DTYPE), 2)
+
+
+TWO_ROOTS = [(1, 2, 1), (2, 2, 0), (1, 0, 0), (0, 1, 2)]
+"""For gathers on communicator [2, 0, 1] of 3 ranks: the communicator rank each global
+rank names the root. Two ranks take themselves for the root (each waits for data that
+went to the other), or none does (each only sends, to a rank that does not expect it)."""
+
+
+async def gathers_with_different_roots(accl: aaccl.ACCL, fast: float) -> None:
+    """Each gather of TWO_ROOTS fails within `fast` seconds on every rank, naming both
+    sides (a rank that only sent may succeed), and leaves nothing behind: the
+    allreduce after it is right, and an eager send completes before its receive is
+    posted (no rx buffer holds a message of a failed gather). In process every
+    rank's call is compared as it is made; over MPI (tests/mpi/lane.py) a root tells
+    the others its call, and a rank that gets a message of a call that ended fails
+    the others' calls (issue 27)."""
+    members = [2, 0, 1]
+    comm = accl.split_communicator(members)
+    me, n = members.index(accl.rank), len(members)
+    for roots in TWO_ROOTS:
+        for count in (4, 1500):
+            heads = [data(g, count) for g in members]
+            sbuf, out = filled(accl, heads[me]), accl.allocate(count * n, DTYPE)
+            started = time.monotonic()
+            try:
+                await accl.gather(sbuf, out, count, roots[accl.rank], comm_id=comm)
+            except aaccl.CCLOError as exc:
+                assert "DMA_MISMATCH_ERROR" in str(exc) and "root=" in str(exc), exc
+            else:
+                assert roots[accl.rank] != me, f"{roots}: a root got all its data"
+            took = time.monotonic() - started
+            assert took < fast, f"{roots}, count {count}: the gather took {took:.2f} s"
+            await accl.allreduce(sbuf, out, count, SUM, comm_id=comm)
+            np.testing.assert_array_equal(out[:count], np.sum(heads, axis=0))
+    sent = accl.send(sbuf, 4, (me + 1) % n, tag=11, comm_id=comm)
+    with anyio.fail_after(fast):
+        await sent  # eager: done before its receive is posted
+    await accl.allreduce(sbuf, out, 4, SUM, comm_id=comm)
+    await accl.recv(out, 4, (me - 1) % n, tag=11, comm_id=comm)
+    np.testing.assert_array_equal(out[:4], data(members[(me - 1) % n], 1500)[:4])
+
+
+@pytest.mark.aaccl(world_size=3, timeout=5, nbufs=4)
+async def test_gathers_with_different_roots_fail_at_once_and_leave_nothing(
+        accl: aaccl.ACCL) -> None:
+    await gathers_with_different_roots(accl, fast=2.0)
 
 
 @pytest.mark.xfail(strict=True, reason="known limitation: the soft CCLO keys a communicator "

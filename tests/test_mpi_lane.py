@@ -25,6 +25,21 @@ def test_a_late_peer(backend: str) -> None:
     assert_passed(launch(2, "lane.py", "late", "timeout=0.5", f"backend={backend}"), 2)
 
 
+def test_a_collective_waiting_for_a_recv_lets_later_ones_run() -> None:
+    """A collective still waiting for its dependencies holds back no later one (issue
+    27): the program of test_chaining's test of that name completes as in process."""
+    assert_passed(launch(2, "lane.py", "waitfor", "timeout=3", limit=60), 2)
+
+
+def test_gathers_with_different_roots_on_a_sub_communicator() -> None:
+    """On a sub-communicator (messages, no opening), gathers whose ranks name
+    different roots fail at once on every rank still in them, as in process (the
+    program of test_communicators' test), and leave nothing behind: the allreduce
+    after each is right (issue 27: it timed out, its peer still waiting out the
+    gather)."""
+    assert_passed(launch(3, "lane.py", "roots", "timeout=5", "nbufs=4", limit=90), 3)
+
+
 def test_twenty_thousand_outstanding() -> None:
     assert_passed(launch(2, "lane.py", "many", "timeout=10", limit=240), 2)
 

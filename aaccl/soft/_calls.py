@@ -526,6 +526,10 @@ def _plan(scenario: int, rank: int, size: int, root: int, count: int) -> Plan:
     return Plan(schedule(Scenario(scenario), rank, size, root, count))
 
 
+_ROOT_RECEIVES = frozenset({Scenario.GATHER, Scenario.REDUCE})
+"""Collectives whose root sends nothing: nothing of its call reaches its peers."""
+
+
 class _Sending:
     """A payload of ours a peer reads in place: [start, end) of device memory."""
 
@@ -558,8 +562,22 @@ class ScheduleCall(SoftCall):
             lane = getattr(dev.port, "lane", None)
             if lane is not None and not args.stream_flags:
                 self.lane = lane(comm.key)
-                self.op = None if self.lane is None else self.lane.admit()
-                self.lane_index = -1 if self.op is None else self.op.index
+            try:
+                path = dev.datapath(args)
+            except CallFailed as failed:  # it can never run: it takes its turn at once
+                if self.lane is not None:
+                    self.op = self.lane.admit()
+                    self.lane_index = self.op.index
+                    self._leave_lane(failed.code, failed.detail)
+                raise
+            scenario = Scenario(args.scenario)
+            self.fp = (int(scenario), None if scenario == Scenario.BARRIER else args.count,
+                       path.dtype.str, path.wire.str,
+                       args.root_src_dst if scenario in ROOTED else None,
+                       args.function if scenario in REDUCING else None, comm.size)
+            if self.lane is not None:  # (its fingerprint first: see Lane._pump)
+                self.op = self.lane.admit(self.fp)
+                self.lane_index = self.op.index
             if args.scenario in ROOTED and args.root_src_dst >= comm.size:
                 raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
             self._join(comm)
@@ -575,14 +593,7 @@ class ScheduleCall(SoftCall):
     def _join(self, comm: Comm) -> None:
         """Check our call against the peers' calls of this collective (fingerprints
         in their messages), now and as their messages come."""
-        args = self.args
-        scenario = Scenario(args.scenario)
-        path = self.dev.datapath(args)
-        self.fp = (int(scenario), None if scenario == Scenario.BARRIER else args.count,
-                   path.dtype.str, path.wire.str,
-                   args.root_src_dst if scenario in ROOTED else None,
-                   args.function if scenario in REDUCING else None, comm.size)
-        assert self.prefix is not None
+        assert self.prefix is not None and self.fp is not None
         failure = self.dev.inbox.join(self.prefix, self.dev.session, self.fp,
                                       self._peer_failed)
         roll_call = getattr(self.dev.port, "roll_call", None)  # in process: all at once
@@ -701,13 +712,14 @@ class ScheduleCall(SoftCall):
         op0, _, res = (dev.array(address, path.dtype, n) if n else None
                        for address, n in zip((args.addr_0, args.addr_1, args.addr_2), reach))
         inline = blocks.fits(fp)
-        block = np.empty(blocks.BLOCK, np.uint8)
-        mine = blocks.share(fp, comm.rank)
-        blocks.encode(block, fp, op0[:mine] if inline and mine and op0 is not None else None)
-        moves = None
-        if not inline and runs_natively(fp):
-            moves = transfer(lane.comm, fp, comm.rank, op0, res)
-        lane.start(op, block, moves)
+        if not op.issued:  # (else it took its turn while pending: the schedule runs it)
+            block = np.empty(blocks.BLOCK, np.uint8)
+            mine = blocks.share(fp, comm.rank)
+            blocks.encode(block, fp, op0[:mine] if inline and mine and op0 is not None else None)
+            moves = None
+            if not inline and runs_natively(fp):
+                moves = transfer(lane.comm, fp, comm.rank, op0, res)
+            lane.start(op, block, moves)
         try:
             why = op.turn.value if op.turn.done else (yield op.turn)
             if isinstance(why, Aborted):  # a peer left the world: it never runs
@@ -724,8 +736,9 @@ class ScheduleCall(SoftCall):
         if isinstance(opened, str):
             raise CallFailed(ErrorCode.DMA_INTERNAL_ERROR, f"MPI failed: {opened}")
         gathered, agreed, moving = opened
-        if not agreed:
+        if not agreed:  # fails, or some rank's call was pending: the schedule runs it
             self._verdict(blocks.read(gathered, comm.size))
+            return False
         if inline:
             blocks.settle(fp, comm.rank, gathered, op0, res, path.combine)
             return True
@@ -740,11 +753,12 @@ class ScheduleCall(SoftCall):
 
     def _verdict(self, exchanged: list[blocks.Block]) -> None:
         """Fail our call as every rank does, from the same blocks (which do not all
-        `agree`): a peer's call did not run, or does not match ours."""
+        `agree`): a peer's call did not run, or does not match ours. Return if they
+        only say that some rank's call was pending (every rank's runs, later)."""
         comm, fp = self.comm, self.fp
         assert comm is not None and fp is not None
         for k, block in enumerate(exchanged):
-            if block.state != blocks.RUNS and k != comm.rank:
+            if block.state not in (blocks.RUNS, blocks.PENDING) and k != comm.rank:
                 self.quiet = True  # the peer told everyone, in its block
                 why = block.why
                 if block.state == blocks.ABORTED:
@@ -754,6 +768,8 @@ class ScheduleCall(SoftCall):
             if block.fp != fp:
                 self.quiet = True  # every rank sees the same mismatch
                 raise CallFailed(*mismatch(fp, block.fp, self.dev.session, comm.sessions[k]))
+        if any(block.state == blocks.PENDING for block in exchanged):
+            return
         raise CallFailed(ErrorCode.DMA_INTERNAL_ERROR, "the opening's blocks disagree, "
                          "yet every rank's call runs, as ours does")
 
@@ -825,6 +841,10 @@ class ScheduleCall(SoftCall):
                 raise
             if done:
                 return
+        elif args.scenario in _ROOT_RECEIVES and comm is not None and comm.size > 1 \
+                and comm.rank == args.root_src_dst and self.lane is None \
+                and not hasattr(dev.port, "roll_call"):
+            self._announce()
         plan = _plan(args.scenario, 0 if comm is None else comm.rank,
                      1 if comm is None else comm.size, args.root_src_dst, args.count)
         self.path = path = dev.datapath(args)
@@ -869,6 +889,20 @@ class ScheduleCall(SoftCall):
             self.abandon()
             raise
         self.sending.clear()
+
+    def _announce(self) -> None:
+        """A gather's or reduce's root only receives: over MPI, where no roll call or
+        opening compares the members' calls, tell them ours, so that a rank that takes
+        another for the root fails at once, as in process, and no rank waits out its
+        timeout in a collective that its peers have left for the next one."""
+        comm, dev = self.comm, self.dev
+        assert comm is not None
+        for peer in comm.sessions:
+            if peer != dev.session:
+                msg = Message(dev.session, ("fp", comm.key, self.seq), self.seq, 0, None,
+                              eager=True)
+                msg.fp = self.fp
+                dev.port.post(peer, msg, 0)
 
     def _span(self, loc: Local, count: int) -> tuple[int, int]:
         itemsize = self.itemsizes[loc.slot]

@@ -24,6 +24,7 @@ from ._memory import DeviceMemory
 from ._streams import StreamKernel, StreamPorts
 from .fabric import Message, Port, RxPool
 from .fabric import _blocks as blocks
+from .fabric._message import describe
 
 HWID = 0x0000_00F8  # reduction, compression and stream bits as ACCL's driver reads them
 
@@ -64,6 +65,7 @@ class SoftDevice:
         self.gone_lane: dict[int, int] = {}  # ... and how far MPI ran their collectives
         self.silent = False  # aborted whole: failing calls send no notices
         self.inbox.on_leave = self._peer_left
+        self.inbox.on_stray = self._stray
         register = getattr(port, "register", None)
         if register is not None:
             register(self.activity)
@@ -303,6 +305,23 @@ class SoftDevice:
                 msg = Message(self.session, ("leave",), done, 0, None, eager=True)
                 msg.notice = (0, reason)
                 self.port.post(peer, msg, 0)
+
+    def _stray(self, msg: Message) -> None:
+        """A peer's message of a collective came after our call of it ended (engine
+        context): the calls do not match. Tell every member, so that those still in
+        it fail at once (a gather's root waiting for data that went to another)."""
+        if self.silent:
+            return
+        _, comm_key, seq = msg.key[:3]
+        assert msg.fp is not None
+        why = (f"rank {msg.src}'s {describe(msg.fp)} sent rank {self.session} data after "
+               f"its call of that collective had ended: their calls do not match")
+        for peer in comm_key:
+            if peer != self.session:
+                notice = Message(self.session, ("abort", comm_key, seq), seq, 0, None,
+                                 eager=True)
+                notice.notice = (int(ErrorCode.DMA_MISMATCH_ERROR), why)
+                self.port.post(peer, notice, 0)
 
     def _peer_left(self, session: int, reason: str, lane_done: int = 0) -> None:
         """A peer left (engine context): calls here that wait for it end now, and

@@ -17,6 +17,14 @@ Suites:
   gave_up   (timeout=0.5, 2 ranks) rank 0's allreduce times out and its program
             ends with that error while rank 1 sleeps; rank 1 then comes: both
             processes end soon with their errors (fails, by design).
+  waitfor   (2 ranks) test_chaining's program where rank 0's allreduce waits for a
+            receive that rank 1 sends only after the next allreduce: that one
+            overtakes it, as in process (small and large, waitfor and hazards);
+            then chains of allreduces between independent ones, none awaited.
+  roots     (3 ranks, timeout=5, nbufs=4) test_communicators' gathers whose ranks
+            name different roots on a sub-communicator (messages, no lane): each
+            fails at once on every rank still in it, the allreduce after it is
+            right, and no rx buffer holds a message of theirs.
   left      (timeout=10, 2 ranks) rank 0's program raises with an allreduce still
             waiting for its dependency; rank 1's next three collectives (small and
             large) each fail at once, saying rank 0 left (fails, by design).
@@ -24,11 +32,14 @@ Suites:
 
 from __future__ import annotations
 
+import random
 import time
 
 import anyio
 import numpy as np
 from _harness import Checks, run_suite, say
+from test_chaining import recv_dependent_allreduce_then_an_independent_one
+from test_communicators import gathers_with_different_roots
 
 import aaccl
 from aaccl import ReduceFunction
@@ -194,6 +205,51 @@ async def many(checks: Checks, accl: aaccl.ACCL) -> None:
     checks()
 
 
+async def waitfor(checks: Checks, accl: aaccl.ACCL) -> None:
+    for count in (4, 5000):  # the data rides in the opening, or follows it
+        for hazard in (False, True):
+            await recv_dependent_allreduce_then_an_independent_one(accl, count, hazard)
+            checks()
+    # chains (each allreduce folds the last one's result) between independent ones,
+    # none awaited, then awaited in an order of each rank's own: a link whose turn
+    # comes while the one before still runs is pending, on one rank or on all
+    rank, size = accl.rank, accl.size
+    program = random.Random(5)  # the same on every rank
+    for trial in range(10):
+        n = program.choice([4, 5000])
+        acc = accl.allocate(n, np.float64)
+        acc[:] = 1
+        acc.sync_to_device()
+        calls, outs, last, links = [], [], None, 0
+        for i in range(program.randint(2, 10)):
+            if program.random() < 0.5:
+                last = accl.allreduce(acc, acc, n, SUM, from_fpga=True, to_fpga=True,
+                                      waitfor=[] if last is None else [last])
+                calls.append(last)
+                links += 1
+            else:
+                m = program.choice([4, 5000])
+                src, dst = accl.allocate(m, np.float32), accl.allocate(m, np.float32)
+                src[:] = rank + i
+                outs.append((dst, sum(r + i for r in range(size))))
+                calls.append(accl.allreduce(src, dst, m, SUM))
+        random.Random(100 * trial + rank).shuffle(calls)
+        for call in calls:
+            await call
+        for dst, expected in outs:
+            np.testing.assert_array_equal(dst, expected)
+        acc.sync_from_device()
+        np.testing.assert_array_equal(acc, size ** links)
+        checks()
+    await still_works(checks, accl, 0)
+
+
+async def roots(checks: Checks, accl: aaccl.ACCL) -> None:
+    await gathers_with_different_roots(accl, fast=2.0)
+    checks()
+    await still_works(checks, accl, 0)
+
+
 async def gave_up(checks: Checks, accl: aaccl.ACCL) -> None:
     src, dst = accl.allocate(4, np.float32), accl.allocate(4, np.float32)
     await accl.allreduce(src, dst, 4, SUM)
@@ -218,5 +274,5 @@ async def left(checks: Checks, accl: aaccl.ACCL) -> None:
 
 
 if __name__ == "__main__":
-    run_suite({"verdicts": verdicts, "late": late, "many": many, "gave_up": gave_up,
-               "left": left})
+    run_suite({"verdicts": verdicts, "late": late, "many": many, "waitfor": waitfor,
+               "roots": roots, "gave_up": gave_up, "left": left})

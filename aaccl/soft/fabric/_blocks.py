@@ -28,9 +28,10 @@ _STATE = struct.Struct("<q")
 INLINE = BLOCK - _HEADER.size
 """Bytes of data (or of a failure's reason) that ride in a rank's block."""
 
-RUNS, ABORTED, FAILED = 0, 1, 2
+RUNS, ABORTED, FAILED, PENDING = 0, 1, 2, 3
 """A block's state: the call runs; it was aborted (a dependency failed, the world
-was cancelled); it failed with an error code of its own before it ran."""
+was cancelled); it failed with an error code of its own before it ran; it waits for
+its dependencies still (every rank then runs it with the schedules, see _lane)."""
 
 _NONE = -1
 

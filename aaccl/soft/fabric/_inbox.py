@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import numpy as np
 
@@ -111,9 +111,12 @@ class Inbox:
         self._steps: dict[tuple[int, Key], Message] = {}
         self._step_waits: dict[tuple[int, Key], StepWait] = {}
         self._abandoned: set[Key] = set()  # ("coll", comm, seq) of collectives that gave up
+        self._joined: dict[Hashable, int] = {}  # per communicator: how many collectives joined
         self._members: dict[Key, _Member] = {}  # our running collectives, by prefix
         self._seen: dict[Key, tuple[int, Fingerprint]] = {}  # before we joined
         self._failed: dict[Key, Failure] = {}  # notices for collectives we have not joined
+        # a peer's message of a collective whose call here ended (see `deliver`)
+        self.on_stray: Callable[[Message], None] | None = None
         # a peer left its world (why, and how many collectives MPI ran it through)
         self.on_leave: Callable[[int, str, int], None] | None = None
         self._on_stream: Callable[[Message], None] | None = None  # see `stream_to`
@@ -136,6 +139,15 @@ class Inbox:
         if kind == "abort":
             self._notice(msg)
             return True
+        if kind == "fp":  # a peer's call of a collective, for us to check ours against
+            prefix = ("coll",) + msg.key[1:3]
+            if prefix[2] >= self._joined.get(prefix[1], 0) or prefix in self._members:
+                self._check(msg, prefix)
+            msg.state = MessageState.DONE
+            for acknowledge in (msg.on_taken, msg.on_done):
+                if acknowledge is not None:
+                    acknowledge()
+            return True
         if kind == "leave":
             if self.on_leave is not None and msg.notice is not None:
                 self.on_leave(msg.src, msg.notice[1], msg.seq)
@@ -153,16 +165,18 @@ class Inbox:
                     acknowledge()
             return True
         if kind == "coll":
-            self._check(msg)
+            prefix = msg.key[:3]
+            if prefix not in self._members and prefix[2] < self._joined.get(prefix[1], 0):
+                # our call of it ended (or failed as it was submitted): a message for
+                # it now comes from a peer's call that does not match ours (a matching
+                # call's messages are all taken before ours ends), unless ours failed
+                if prefix not in self._abandoned and msg.fp is not None \
+                        and self.on_stray is not None:
+                    self.on_stray(msg)
+                return self._drop(msg)
+            self._check(msg, prefix)
         if kind != "p2p" and msg.key[:3] in self._abandoned:
-            # its collective gave up here: nobody will read it
-            if not msg.eager:
-                msg.state = MessageState.WITHDRAWN  # the sender's wait fails at its deadline
-                return False
-            msg.state = MessageState.DONE
-            if msg.on_done is not None:
-                msg.on_done()
-            return True
+            return self._drop(msg)  # its collective gave up here: nobody will read it
         copied = msg.payload is None or (msg.eager and self._store(msg))
         if msg.key[0] == "p2p":
             for recv, matched in self._stream(msg.key, msg.src).arrive(msg):
@@ -175,6 +189,18 @@ class Inbox:
             else:
                 wait.set(self._take(msg))
         return copied
+
+    @staticmethod
+    def _drop(msg: Message) -> bool:
+        """A collective's message nobody here will read: keep nothing of it (an eager
+        one's send is done; a rendezvous one's sender sees it never arrived)."""
+        if not msg.eager:
+            msg.state = MessageState.WITHDRAWN  # the sender's wait fails at its deadline
+            return False
+        msg.state = MessageState.DONE
+        if msg.on_done is not None:
+            msg.on_done()
+        return True
 
     def _store(self, msg: Message) -> bool:
         """Copy an eager payload into the rx buffers. As on a card, whose receive path
@@ -277,6 +303,7 @@ class Inbox:
         """Our call of collective `prefix` is admitted: check it against what peers
         sent for it already (and whether one of them failed it); later arrivals are
         checked as they come, and `fail(code, why, notified)` ends our call."""
+        self._joined[prefix[1]] = prefix[2] + 1  # (in order of the collectives' numbers)
         failed = self._failed.pop(prefix, None)
         seen = self._seen.pop(prefix, None)
         if failed is not None:
@@ -290,8 +317,7 @@ class Inbox:
         """Our call of `prefix` ended."""
         self._members.pop(prefix, None)
 
-    def _check(self, msg: Message) -> None:
-        prefix = msg.key[:3]
+    def _check(self, msg: Message, prefix: Key) -> None:
         member = self._members.get(prefix)
         if member is None:
             if msg.fp is not None and prefix not in self._seen \
@@ -311,8 +337,8 @@ class Inbox:
         self._seen.pop(prefix, None)
         if member is not None:
             member.fail(code, why, True)
-        elif prefix not in self._abandoned:
-            self._failed[prefix] = (code, why)
+        elif prefix not in self._abandoned and prefix[2] >= self._joined.get(prefix[1], 0):
+            self._failed.setdefault(prefix, (code, why))  # for our call, when it comes
 
     def expect_step(self, src: int, key: Key) -> Wait:
         """The message `src` sends for this step: set now, or when it comes."""

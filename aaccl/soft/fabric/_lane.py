@@ -6,8 +6,15 @@ lane takes the world communicator's collectives in submission order (the same on
 every rank of a program whose ranks call the same collectives) and starts a call's
 opening exchange (`_blocks`: fingerprints, maybe the data) only once the call
 before it has started all its MPI collectives: the opening must be over before
-anyone knows whether a transfer follows. A call still waiting for its dependencies
-holds back the calls after it, as on a card, where calls run one after another.
+anyone knows whether a transfer follows.
+
+A call still waiting for its dependencies holds back no later call that is ready
+(in process, such a call overtakes it: a program may need it to). When the lane's
+head is not ready but a call behind it is, the head takes its turn at once with a
+*pending* block (its fingerprint, no data): every rank sees it in the opening, so
+every rank then runs that collective with the soft CCLO's schedules, over messages
+(which match by the collective's number, in any order), and MPI sees the same
+collectives in the same order on every rank all the same.
 
 A call that never runs still takes its turn, with a block that says why, so its
 peers' calls fail at once with that reason. An MPI collective cannot be withdrawn:
@@ -30,7 +37,7 @@ import numpy as np
 from ..._constants import ErrorCode, ReduceFunction, Scenario
 from ..._errors import Aborted
 from .._engine import Wait
-from ._blocks import BLOCK, agree
+from ._blocks import BLOCK, PENDING, agree, encode
 from ._message import Fingerprint
 
 RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
@@ -81,11 +88,12 @@ class Matched(Wait):
 class Op:
     """One collective call's place in the lane."""
 
-    __slots__ = ("index", "block", "transfer", "turn", "opening", "moved", "gathered",
+    __slots__ = ("index", "fp", "block", "transfer", "turn", "opening", "moved", "gathered",
                  "issued", "finished")
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, fp: Fingerprint | None) -> None:
         self.index = index  # its place in the lane: the same on every rank
+        self.fp = fp  # its call's, for a pending block (None: it takes its turn when it runs)
         self.block: np.ndarray | None = None  # set when the call starts or is withdrawn
         self.transfer: Callable[[], Any] | None = None  # starts the data's MPI collective
         self.turn, self.opening, self.moved = Turn(), Matched(), Matched()
@@ -109,6 +117,7 @@ class Lane:
         self._moving: list[tuple[Any, Op]] = []  # transfers in flight
         self._order: deque[Op] = deque()  # not finished yet, in lane order
         self._admitted = 0
+        self._ready = 0  # queued calls whose block is set (they wait for their turn only)
         self._spin_until = 0.0
         self.stuck = ""  # why calls behind the opening in flight fail now, if they do
         self._dead_from: int | None = None  # a peer left: no collective from here on runs
@@ -117,10 +126,10 @@ class Lane:
 
     # -- engine context -------------------------------------------------------------
 
-    def admit(self) -> Op:
+    def admit(self, fp: Fingerprint | None = None) -> Op:
         """A collective was submitted: its place, in submission order."""
         with self._lock:
-            op = Op(self._admitted)
+            op = Op(self._admitted, fp)
             self._admitted += 1
             self._queue.append(op)
             self._order.append(op)
@@ -153,6 +162,8 @@ class Lane:
         events: list[tuple[Post, tuple[Any, ...]]] = []
         with self._lock:
             if not op.issued:  # (else MPI has its opening, and its turn is over)
+                if op.block is None:
+                    self._ready += 1
                 op.block, op.transfer = block, transfer
                 if self.stuck:  # has the late peer come meanwhile?
                     self._test(events)
@@ -222,9 +233,18 @@ class Lane:
         return Aborted(f"{gone}: the world's collectives cannot complete any more")
 
     def _pump(self, events: list[tuple[Post, tuple[Any, ...]]]) -> None:
-        """Start openings, in order, while the head's block is ready."""
-        while self._opening is None and self._queue and self._queue[0].block is not None:
-            op = self._queue.popleft()
+        """Start openings, in order, while the head's block is ready, or the head is
+        pending (not ready, its fingerprint known) and a call behind it is ready."""
+        while self._opening is None and self._queue:
+            op = self._queue[0]
+            if op.block is not None:
+                self._ready -= 1
+            elif self._ready and op.fp is not None:
+                op.block = np.empty(BLOCK, np.uint8)
+                encode(op.block, op.fp, state=PENDING)
+            else:
+                break
+            self._queue.popleft()
             op.issued = True
             if self._dead_from is not None and op.index >= self._dead_from:
                 events.append((op.turn.set, (self._dead_why,)))  # no peer would match it

@@ -55,7 +55,7 @@ from ._lane import Lane
 from ._message import Message
 
 HEADER, ACK, WITHDRAW = 1, 2, 3
-NOTICES = ("leave", "abort")
+NOTICES = ("leave", "abort", "fp")
 """Messages that only tell peers what happened here (see `post`)."""
 PAYLOAD_TAGS = 1 << 20
 """Payload tags are PAYLOAD_TAGS + (message id modulo PAYLOAD_TAGS), past the control tags."""
