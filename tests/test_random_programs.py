@@ -379,7 +379,7 @@ def test_random_programs_in_order(backend: str, program: Program) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(programs(min_size=2))
 def test_random_programs_in_order_at_length(backend: str, program: Program) -> None:
     check_program(program, backend, in_order=True)
