@@ -23,8 +23,11 @@ runs them) it must complete with the same results, on both event-loop backends.
 
 from __future__ import annotations
 
+import pickle
 import random
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -73,8 +76,8 @@ class Program:
 
 
 @st.composite
-def programs(draw: st.DrawFn, min_size: int = 1) -> Program:
-    size = draw(st.integers(min_size, MAX_SIZE))
+def programs(draw: st.DrawFn, min_size: int = 1, max_size: int = MAX_SIZE) -> Program:
+    size = draw(st.integers(min_size, max_size))
     subset = draw(st.none() | st.permutations(range(size)).flatmap(
         lambda p: st.integers(1, size).map(lambda k: tuple(p[:k]))))
     ops: list[Op] = []
@@ -379,7 +382,31 @@ def test_random_programs_in_order(backend: str, program: Program) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(programs(min_size=2))
 def test_random_programs_in_order_at_length(backend: str, program: Program) -> None:
     check_program(program, backend, in_order=True)
+
+
+
+MPI_BATCH = 10
+"""Programs one MPI launch runs (a launch costs a second or so)."""
+
+
+@pytest.mark.parametrize(("nprocs", "backend"), [(2, "asyncio"), (3, "trio"), (4, "asyncio")])
+@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_programs_in_order_over_mpi(nprocs: int, backend: str, data: st.DataObject,
+                                           ) -> None:
+    """The same programs on the MPI fabric, one rank per process (tests/mpi/random_programs.py),
+    where MPI runs the world's collectives in the order each rank admits them."""
+    test_mpi_fabric = pytest.importorskip("test_mpi_fabric")  # skips without mpi4py
+    if test_mpi_fabric.MPIEXEC is None:
+        pytest.skip("no mpiexec (pip install 'aaccl[mpi]')")
+    batch = data.draw(st.lists(programs(nprocs, nprocs), min_size=MPI_BATCH, max_size=MPI_BATCH))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "programs.pickle"
+        path.write_bytes(pickle.dumps(batch))
+        job = test_mpi_fabric.launch(nprocs, "random_programs.py", str(path),
+                                     f"backend={backend}", "in_order=1")
+    test_mpi_fabric.assert_passed(job, nprocs)
