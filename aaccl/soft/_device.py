@@ -268,7 +268,7 @@ class SoftDevice:
                 self.engine.soon(queue[0].start)  # (not in line: no recursion per call)
         else:
             try:
-                queue.remove(call)  # aborted behind the head (an abort ends them in order)
+                queue.remove(call)  # aborted before its turn (all at once: near the front)
             except ValueError:
                 pass  # admitted into a closed CCLO: never queued
 
