@@ -1,8 +1,10 @@
-"""Random programs of collectives on the soft CCLO, against a numpy model.
+"""Random programs of collectives and messages on the soft CCLO, against a numpy model.
 
 Hypothesis draws a program: a world of 1..4 ranks, maybe a sub-communicator (any
-subset, in any order), and a list of operations with random dtypes, counts
-(0..300), roots, functions and host/device flags. Some operations take their input
+subset, in any order), a network stack ("tcp": every message eager; "rdma": those
+above an rx buffer rendezvous), and a list of operations with random dtypes,
+counts (0..300), roots, functions and host/device flags; a send/recv pair moves
+one rank's buffer to another's. Some operations take their input
 from an earlier one's output on the device (`from_fpga=True, waitfor=[parent]`),
 forming chains; others start from fresh data. Every rank submits the operations it
 takes part in in program order, without awaiting them, except at the program's sync
@@ -15,16 +17,24 @@ before a call unless `from_fpga`, device to host after it unless `to_fpga`).
 At the end every buffer's host copy, then its device copy, must match the model.
 Reductions are modelled folding contributions in rank order, and float results are
 compared with a tolerance of a few ulps.
+
+Every such program is correct in submission order, so with `in_order=True` (each
+rank's calls one at a time in submission order, ready or not, as ACCL's firmware
+runs them) it must complete with the same results, on both event-loop backends.
 """
 
 from __future__ import annotations
 
+import pickle
 import random
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import anyio
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +44,7 @@ from conftest import DTYPES
 
 SUM, MAX = ReduceFunction.SUM, ReduceFunction.MAX
 KINDS = ["bcast", "scatter", "gather", "reduce", "allgather", "allreduce", "reduce_scatter",
-         "alltoall", "barrier", "copy", "combine"]
+         "alltoall", "barrier", "copy", "combine", "sendrecv"]
 REDUCING = {"reduce", "allreduce", "reduce_scatter", "combine"}
 MAX_COUNT = 300
 MAX_SIZE = 4
@@ -49,7 +59,7 @@ class Op:
     comm: int  # 0: the world; 1: the program's sub-communicator
     dtype: Any
     count: int
-    root: int  # a rank of the op's communicator
+    root: int  # a rank of the op's communicator (sendrecv: the sender)
     func: ReduceFunction
     parent: int | None  # the op whose output (on the device) is this op's input
     from_fpga: bool  # fresh inputs: synced by hand before the program, host copy scrambled
@@ -57,6 +67,7 @@ class Op:
     to_fpga: bool
     inplace: bool  # allreduce, alltoall: sbuf is rbuf
     sync_after: bool  # every rank awaits its outstanding calls after submitting this op
+    peer: int = 0  # sendrecv: the receiver (a rank of the op's communicator, not root)
 
 
 @dataclass(frozen=True)
@@ -65,11 +76,12 @@ class Program:
     subset: tuple[int, ...] | None  # global ranks of the sub-communicator, in its rank order
     ops: tuple[Op, ...]
     seed: int
+    stack: str = "tcp"  # "rdma": messages above an rx buffer go rendezvous
 
 
 @st.composite
-def programs(draw: st.DrawFn) -> Program:
-    size = draw(st.integers(1, MAX_SIZE))
+def programs(draw: st.DrawFn, min_size: int = 1, max_size: int = MAX_SIZE) -> Program:
+    size = draw(st.integers(min_size, max_size))
     subset = draw(st.none() | st.permutations(range(size)).flatmap(
         lambda p: st.integers(1, size).map(lambda k: tuple(p[:k]))))
     ops: list[Op] = []
@@ -78,7 +90,7 @@ def programs(draw: st.DrawFn) -> Program:
     for k in range(draw(st.integers(1, 12))):
         comm = draw(st.sampled_from([0, 1])) if subset else 0
         csize = size if comm == 0 else len(subset or ())
-        kind = draw(st.sampled_from(KINDS))
+        kind = draw(st.sampled_from(KINDS if csize > 1 else KINDS[:-1]))
         parents = [j for j, o in enumerate(ops) if o.comm == comm and o.kind != "barrier"
                    and j not in used and depth[j] < MAX_CHAIN]
         parent = None
@@ -95,8 +107,13 @@ def programs(draw: st.DrawFn) -> Program:
             from_fpga=parent is not None or draw(st.booleans()), from_fpga2=draw(st.booleans()),
             to_fpga=draw(st.booleans()),
             inplace=kind in ("allreduce", "alltoall") and draw(st.booleans()),
-            sync_after=draw(st.integers(0, 3)) == 0))
-    return Program(size, subset, tuple(ops), draw(st.integers(0, 2**32 - 1)))
+            sync_after=draw(st.integers(0, 3)) == 0,
+            peer=draw(st.integers(0, max(csize - 2, 0)))))
+        if kind == "sendrecv":  # a receiver other than the sender
+            op = ops[-1]
+            ops[-1] = replace(op, peer=op.peer + (op.peer >= op.root))
+    return Program(size, subset, tuple(ops), draw(st.integers(0, 2**32 - 1)),
+                   draw(st.sampled_from(["tcp", "rdma"])))
 
 
 # -- which buffers each op uses ----------------------------------------------------------
@@ -194,7 +211,7 @@ def run_model_op(program: Program, op: Op, lay: Layout, ranks: list[int],
     size, c = len(ranks), op.count
     n_in, n_out = lengths(op.kind, size, c)
     root = ranks[op.root]
-    rooted_in = op.kind in ("bcast", "scatter")  # only the root's input matters
+    rooted_in = op.kind in ("bcast", "scatter", "sendrecv")  # only the root's input matters
     rooted_out = op.kind in ("gather", "reduce")  # only the root gets a result
 
     def dev(r: int, name: str | None) -> np.ndarray:
@@ -233,10 +250,13 @@ def run_model_op(program: Program, op: Op, lay: Layout, ranks: list[int],
             out[:c] = fold(op.func, [ins[q] for q in ranks])[i * c:(i + 1) * c]
         elif op.kind == "alltoall":
             out[:n_out] = np.concatenate([ins[q][i * c:(i + 1) * c] for q in ranks])
+        elif op.kind == "sendrecv" and i == op.peer:
+            out[:c] = ins[root]
 
     # syncs back to the host, at completion
     for r in ranks:
-        if op.to_fpga or (rooted_out and r != root):
+        if op.to_fpga or (rooted_out and r != root) or (op.kind == "sendrecv"
+                                                        and r != ranks[op.peer]):
             continue
         if op.kind == "bcast" and r == root and not op.from_fpga:
             continue  # the root's host copy is its input already
@@ -248,7 +268,8 @@ def run_model_op(program: Program, op: Op, lay: Layout, ranks: list[int],
 
 
 def submit(accl: aaccl.ACCL, op: Op, lay: Layout, bufs: dict[str, aaccl.Buffer], comm_id: int,
-           waitfor: list[aaccl.Call]) -> aaccl.Call:
+           waitfor: list[aaccl.Call], me: int) -> aaccl.Call | None:
+    """Submit `op` on this rank, `me` in the op's communicator (None: not its part)."""
     s = bufs.get(lay.ins) if lay.ins else None
     d = bufs.get(lay.out) if lay.out else None
     c, root, func = op.count, op.root, op.func
@@ -265,6 +286,14 @@ def submit(accl: aaccl.ACCL, op: Op, lay: Layout, bufs: dict[str, aaccl.Buffer],
                             val2_from_fpga=op.from_fpga2, to_fpga=op.to_fpga, waitfor=waitfor)
     if kind == "bcast":
         return accl.bcast(s, c, root, **flags)
+    if kind == "sendrecv":
+        assert lay.out is not None
+        tag = int(lay.out.removeprefix("out"))  # its own: the op's index
+        if me == root:
+            return accl.send(s, c, op.peer, tag, comm_id, op.from_fpga, waitfor=waitfor)
+        if me == op.peer:
+            return accl.recv(d, c, root, tag, comm_id, op.to_fpga, waitfor=waitfor)
+        return None
     if kind in ("scatter", "gather"):
         return getattr(accl, kind)(s, d, c, root, **flags)
     if kind == "reduce":
@@ -274,7 +303,8 @@ def submit(accl: aaccl.ACCL, op: Op, lay: Layout, bufs: dict[str, aaccl.Buffer],
     return getattr(accl, kind)(s, d, c, **flags)
 
 
-def run_program(program: Program) -> list[dict[str, tuple[np.ndarray, np.ndarray]]]:
+def run_program(program: Program, backend: str = "asyncio", in_order: bool = False,
+                ) -> list[dict[str, tuple[np.ndarray, np.ndarray]]]:
     """Run the program on the soft CCLO; every rank's buffers: name -> (host, device)."""
     layouts = layout(program)
 
@@ -308,9 +338,12 @@ def run_program(program: Program) -> list[dict[str, tuple[np.ndarray, np.ndarray
             for _ in range(rng.randrange(3)):
                 await anyio.lowlevel.checkpoint()
             if k in mine:
-                waitfor = [calls[op.parent]] if op.parent is not None else []
-                calls[k] = submit(accl, op, layouts[k], bufs, comm_ids[op.comm], waitfor)
-                pending.append(calls[k])
+                waitfor = [calls[op.parent]] if op.parent in calls else []
+                call = submit(accl, op, layouts[k], bufs, comm_ids[op.comm], waitfor,
+                              members(program, op).index(rank))
+                if call is not None:
+                    calls[k] = call
+                    pending.append(call)
             if op.sync_after:
                 await settle()
         await settle()
@@ -323,7 +356,8 @@ def run_program(program: Program) -> list[dict[str, tuple[np.ndarray, np.ndarray
             out[name] = (host, np.array(buf))
         return out
 
-    return aaccl.run(main, world_size=program.size, backend="asyncio", timeout=5.0)
+    return aaccl.run(main, world_size=program.size, backend=backend, timeout=5.0,
+                     in_order=in_order, stack=program.stack)
 
 
 def assert_same(got: np.ndarray, want: np.ndarray, what: str) -> None:
@@ -344,14 +378,59 @@ def describe(program: Program) -> str:
     return "\n".join(lines)
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(programs())
-def test_random_programs(program: Program) -> None:
+def check_program(program: Program, backend: str = "asyncio", in_order: bool = False) -> None:
     want = model(program)
-    got = run_program(program)
+    got = run_program(program, backend, in_order)
     for rank in range(program.size):
         assert sorted(got[rank]) == sorted(want[rank])
         for name, (host, device) in got[rank].items():
             what = f"rank {rank}, buffer {name}, of\n{describe(program)}"
             assert_same(host, want[rank][name][0], f"host copy: {what}")
             assert_same(device, want[rank][name][1], f"device copy: {what}")
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs())
+def test_random_programs(program: Program) -> None:
+    check_program(program)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs(min_size=2))
+def test_random_programs_in_order(backend: str, program: Program) -> None:
+    """A call waiting for an earlier one's result keeps its place: the independent
+    calls behind it wait too, on every rank alike (issue 27: they overtook it)."""
+    check_program(program, backend, in_order=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs(min_size=2))
+def test_random_programs_in_order_at_length(backend: str, program: Program) -> None:
+    check_program(program, backend, in_order=True)
+
+
+
+MPI_BATCH = 10
+"""Programs one MPI launch runs (a launch costs a second or so)."""
+
+
+@pytest.mark.parametrize(("nprocs", "backend"), [(2, "asyncio"), (3, "trio"), (4, "asyncio")])
+@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_programs_in_order_over_mpi(nprocs: int, backend: str, data: st.DataObject,
+                                           ) -> None:
+    """The same programs on the MPI fabric, one rank per process (tests/mpi/random_programs.py),
+    where MPI runs the world's collectives in the order each rank admits them."""
+    test_mpi_fabric = pytest.importorskip("test_mpi_fabric")  # skips without mpi4py
+    if test_mpi_fabric.MPIEXEC is None:
+        pytest.skip("no mpiexec (pip install 'aaccl[mpi]')")
+    batch = data.draw(st.lists(programs(nprocs, nprocs), min_size=MPI_BATCH, max_size=MPI_BATCH))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "programs.pickle"
+        path.write_bytes(pickle.dumps(batch))
+        job = test_mpi_fabric.launch(nprocs, "random_programs.py", str(path),
+                                     f"backend={backend}", "in_order=1")
+    test_mpi_fabric.assert_passed(job, nprocs)

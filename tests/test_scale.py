@@ -555,6 +555,148 @@ async def test_in_order_runs_what_the_firmware_runs() -> None:
         np.testing.assert_array_equal(total, 2 * np.arange(LARGE) + 1)
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("count", [16, LARGE], ids=["small", "large"])
+async def test_in_order_a_call_reading_an_earlier_result_keeps_its_place(size: int,
+                                                                          count: int) -> None:
+    """c2 reads c1's result (a dependency the API adds), c3 is independent: c3 must
+    not overtake c2 on the ranks where c1 still runs, or the ranks run their
+    collectives in different orders and time out (issue 27)."""
+    async with world(size, timeout=2.0, in_order=True) as accls:
+        async def rank(accl: aaccl.ACCL) -> tuple[np.ndarray, np.ndarray]:
+            a = filled(accl, np.full(count, accl.rank + 1, np.float32))
+            b = filled(accl, np.full(count, 10 * (accl.rank + 1), np.float32))
+            x, y, z = (accl.allocate(count, np.float32) for _ in range(3))
+            c1 = accl.allreduce(a, x, count, ReduceFunction.SUM, to_fpga=True)
+            c2 = accl.allreduce(x, y, count, ReduceFunction.SUM, from_fpga=True)
+            c3 = accl.allreduce(b, z, count, ReduceFunction.SUM)
+            await finish([c3, c2, c1])  # out of order: CCLOError, RECEIVE_TIMEOUT_ERROR
+            return np.array(y), np.array(z)
+
+        results = await run_ranks(accls, rank)
+    total = size * (size + 1) // 2
+    for y, z in results:
+        np.testing.assert_array_equal(y, size * total)
+        np.testing.assert_array_equal(z, 10 * total)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("sent", [True, False], ids=["released", "timed-out"])
+async def test_in_order_a_queued_call_given_up_leaves_the_queue(sent: bool) -> None:
+    """A call queued behind a waiting head whose await was cancelled is aborted when
+    its rank leaves; the calls behind it still run once the head ends, however it
+    ends, and leaving takes no longer than the head (issue 27: it hung)."""
+    timeout = 0.5
+    async with world(2, timeout=timeout, in_order=True) as (a, b):
+        src = resident(a, np.arange(4, dtype=np.int32))
+        got, dst, behind_dst = (a.allocate(4, np.int32) for _ in range(3))
+        head = a.recv(got, 4, 1, tag=1)  # rank 1 sends only once the call behind is aborted
+        given_up = a.copy(src, dst, 4, from_fpga=True, to_fpga=True)
+        behind = a.copy(src, behind_dst, 4, from_fpga=True)
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await given_up
+        assert not given_up.done()
+
+        async def rank1() -> None:
+            with anyio.fail_after(LIMIT):
+                with pytest.raises(aaccl.Aborted, match="await was cancelled"):
+                    await given_up
+            if sent:
+                await b.send(filled(b, np.full(4, 7, np.int32)), 4, 0, tag=1)
+
+        began = time.monotonic()
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(a.aclose)  # leaving waits for head and behind, shielded
+            tasks.start_soon(rank1)
+        assert time.monotonic() - began < timeout + GRACE
+        assert behind.exception() is None
+        np.testing.assert_array_equal(behind_dst, np.arange(4))
+        if sent:
+            assert head.exception() is None
+            np.testing.assert_array_equal(got, 7)
+        else:
+            error = head.exception()
+            assert isinstance(error, CCLOError) and error.code & ErrorCode.RECEIVE_TIMEOUT_ERROR
+            assert "waited 0.5 s for a message from rank 1" in str(error)
+        np.testing.assert_array_equal(on_device(dst), 0)  # the given-up copy never ran
+
+
+@pytest.mark.anyio
+async def test_in_order_a_call_whose_dependency_fails_leaves_the_queue() -> None:
+    """A queued call aborted by its failed dependency (a kernel: host work, outside
+    the CCLO's queue) before its turn leaves the queue; the calls behind run."""
+    async with world(2, timeout=5, in_order=True) as (a, b):
+        src = resident(a, np.arange(4, dtype=np.int32))
+        got, dst, behind_dst = (a.allocate(4, np.int32) for _ in range(3))
+        head = a.recv(got, 4, 1, tag=1)
+
+        def fails(_: Any) -> None:
+            raise RuntimeError("kernel fails")
+
+        kernel = a.kernel(fails)(src)
+        doomed = a.copy(src, dst, 4, from_fpga=True, to_fpga=True, waitfor=[kernel])
+        behind = a.copy(src, behind_dst, 4, from_fpga=True)
+        with anyio.fail_after(LIMIT):
+            with pytest.raises(DependencyError):
+                await doomed
+        assert not head.done() and not behind.done()  # behind waits for the head still
+        await finish([b.send(filled(b, np.full(4, 7, np.int32)), 4, 0, tag=1), head, behind])
+        np.testing.assert_array_equal(got, 7)
+        np.testing.assert_array_equal(behind_dst, np.arange(4))
+        with pytest.raises(KernelError):
+            await kernel
+
+
+@pytest.mark.anyio
+async def test_in_order_a_nop_waits_its_turn() -> None:
+    """A nop is a call like any other: it ends after the call before it."""
+    timeout = 0.3
+    async with world(2, timeout=timeout, in_order=True) as (a, b):
+        head = a.recv(a.allocate(4, np.int32), 4, 1, tag=1)  # nobody sends: it times out
+        nop = a.nop()
+        await finish([nop])
+        assert head.done()
+        with pytest.raises(CCLOError, match="RECEIVE_TIMEOUT"):
+            await head
+
+
+@pytest.mark.anyio
+async def test_in_order_a_program_that_deadlocks_on_a_card_times_out_naming_the_peer() -> None:
+    """Each rank receives before it sends: on a card each receive holds its rank's
+    queue, so neither send ever runs. Here the first receive to reach its deadline
+    fails, naming the rank it waited for; its rank's send then runs (eager: done
+    without a receive) and may still meet the other receive before that one's
+    deadline. Either way every call ends within about one timeout, and leaving is
+    prompt."""
+    timeout = 0.5
+    async with world(2, timeout=timeout, in_order=True) as accls:
+        began = time.monotonic()
+
+        async def rank(accl: aaccl.ACCL) -> tuple[BaseException | None, np.ndarray]:
+            other = 1 - accl.rank
+            got = accl.allocate(4, np.int32)
+            recv = accl.recv(got, 4, other, tag=3)
+            send = accl.send(filled(accl, np.full(4, accl.rank + 5, np.int32)), 4, other, tag=3)
+            with anyio.fail_after(LIMIT):
+                try:
+                    await recv
+                except CCLOError:
+                    pass
+                await send
+            return recv.exception(), np.array(got)
+
+        results = await run_ranks(accls, rank)
+    assert time.monotonic() - began < timeout + GRACE  # both waited at once; left at once
+    assert any(error is not None for error, _ in results)
+    for r, (error, got) in enumerate(results):
+        if error is None:
+            np.testing.assert_array_equal(got, 1 - r + 5)
+            continue
+        assert isinstance(error, CCLOError) and error.code & ErrorCode.RECEIVE_TIMEOUT_ERROR
+        assert f"waited {timeout:g} s for a message from rank {1 - r}" in str(error)
+
 # -- a failing head: last, since on a broken engine it may take timeouts down with it -------------
 
 def chained_behind(head: aaccl.Call, accl: aaccl.ACCL, count: int,

@@ -126,9 +126,11 @@ async def open_world(world_size: int | None = None, *, device: str = "soft",
     the devices.
 
     `in_order=True` makes each soft CCLO run its calls strictly one at a time, in
-    submission order, as ACCL's firmware does: a program that needs two calls of
-    one rank to overlap (both ranks receive before they send, say) times out here
-    as it would hang on a card. Other devices are in order by nature.
+    submission order (ready or not: a call waiting for its `waitfor` holds back
+    those behind it), as ACCL's firmware does: every program that runs on a card
+    runs here, and one that needs two calls of one rank to overlap (both ranks
+    receive before they send, say) times out here as it would hang on a card.
+    Other devices are in order by nature.
 
     `stack` is the network stack the CCLOs stand on, and sets the message protocol on
     every device, the soft CCLO included: "tcp" (the default) or "udp", ACCL's stacks on

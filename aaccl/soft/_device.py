@@ -31,7 +31,7 @@ HWID = 0x0000_00F8  # reduction, compression and stream bits as ACCL's driver re
 
 class SoftDevice:
     """One rank's soft CCLO. `in_order=True` runs its calls strictly one at a time in
-    submission order, as ACCL's firmware does."""
+    submission order, ready or not, as ACCL's firmware does."""
 
     timer_hz = 1_000_000  # SET_TIMEOUT counts microseconds
 
@@ -51,8 +51,7 @@ class SoftDevice:
         self._paths: dict[tuple[int, int, int], Datapath] = {}
         self._send_seq: dict[tuple[Hashable, int], int] = {}
         self._coll_seq: dict[Hashable, int] = {}
-        self._queue: deque[SoftCall] = deque()  # in order: calls ready, waiting their turn
-        self._running = False
+        self._queue: deque[SoftCall] = deque()  # in order: calls admitted, not ended; head runs
         self._calls: dict[SoftCall, None] = {}  # admitted, not finished (in order)
         self._jobs = HostJobs(f"soft-cclo-{session}")
         self.streams = StreamPorts(self._jobs.run, self.engine.post)
@@ -235,16 +234,14 @@ class SoftDevice:
         self._calls[call] = None
         if call.args.scenario != Scenario.CONFIG:
             self.last = call
+        if self.in_order:  # it takes its place now, ready or not, as on the firmware
+            self._queue.append(call)
         call.admit(waitfor)
 
     def ready(self, call: SoftCall) -> None:
-        """A call's dependencies are done: run it (in order: when its turn comes)."""
-        if not self.in_order:
-            call.start()
-        elif self._running:
-            self._queue.append(call)
-        else:
-            self._running = True
+        """A call's dependencies are done: run it (in order: once it heads the queue,
+        that is once every call admitted before it has ended)."""
+        if not self.in_order or self._queue[0] is call:
             call.start()
 
     def finished(self, call: SoftCall, retcode: int = 0, aborted: bool = False,
@@ -252,18 +249,30 @@ class SoftDevice:
         """A call ended (engine context): publish its return code, release the next.
         `aborted`: it never ran (a dependency failed), or `error` ended it."""
         self._calls.pop(call, None)
-        if call.handle.started:  # it ran: its turn is over
-            if error is None:
-                self.exchmem[xm.RETCODE // 4] = retcode
-            if self.in_order:
-                if self._queue:
-                    self.engine.soon(self._queue.popleft().start)
-                else:
-                    self._running = False
+        if error is None and call.handle.started:
+            self.exchmem[xm.RETCODE // 4] = retcode
+        if self.in_order:
+            self._leave_queue(call)
         if error is not None:
             call.handle.complete(error=error)
         else:
             call.handle.complete(retcode, aborted=aborted, detail=detail)
+
+    def _leave_queue(self, call: SoftCall) -> None:
+        """In order: an ended call leaves the queue, however it ended (ran, failed,
+        aborted before its turn); if it was the head, the next runs once ready. The
+        head's wait for a peer has a deadline, so the calls behind it wait no longer
+        than the calls before them take: a program that deadlocks on a card times out."""
+        queue = self._queue
+        if queue and queue[0] is call:
+            queue.popleft()
+            if queue and not queue[0].deps_left:  # ready (only the head ever runs)
+                self.engine.soon(queue[0].start)  # (not in line: no recursion per call)
+        else:
+            try:
+                queue.remove(call)  # aborted before its turn (all at once: near the front)
+            except ValueError:
+                pass  # admitted into a closed CCLO: never queued
 
     def skip_collective(self, comm: int, reason: str) -> None:
         """The host rejected a collective on communicator `comm` (its exchange-memory
@@ -388,7 +397,6 @@ class SoftDevice:
 
     def _close(self) -> None:
         self._abort(Aborted("its soft CCLO was closed"))
-        self._queue.clear()
         self.streams.close()
         self._jobs.close()
         self.port.close()
