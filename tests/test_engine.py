@@ -75,28 +75,6 @@ def test_an_interrupt_inside_an_event_propagates_and_the_engine_still_drains(
     engine.close()
 
 
-@pytest.mark.anyio
-async def test_a_world_whose_engine_was_interrupted_runs_on_and_closes() -> None:
-    """A KeyboardInterrupt that lands while the engine runs events (on the event
-    loop's thread, say) leaves every later call running and the world closing."""
-    async with aaccl.open_world(2, timeout=TIMEOUT) as (a, b):
-        x, y = a.allocate(4), b.allocate(4)
-        engine = a._driver.device.engine
-
-        def interrupt() -> None:
-            raise KeyboardInterrupt
-
-        with pytest.raises(KeyboardInterrupt):
-            engine.post(interrupt)
-        x[:], y[:] = 1, 2
-        calls = [a.allreduce(x, x, 4, ReduceFunction.SUM), b.allreduce(y, y, 4, ReduceFunction.SUM)]
-        with anyio.fail_after(5):
-            for call in calls:
-                await call
-        np.testing.assert_array_equal(x, 3)
-        np.testing.assert_array_equal(y, 3)
-
-
 def test_timers_fire_once_cancelled_ones_never_and_the_clock_survives_a_raising_timer(
         caplog: pytest.LogCaptureFixture) -> None:
     engine = Engine("test")
