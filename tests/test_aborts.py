@@ -7,6 +7,7 @@ as soon as its job is over, not go on to wait for peers that have stopped."""
 from __future__ import annotations
 
 import random
+import sys
 import time
 from collections.abc import Callable
 
@@ -17,6 +18,9 @@ import aaccl
 from aaccl import ReduceFunction
 from aaccl.soft._calls import OFFLOAD_BYTES
 from aaccl.soft._engine import Wait
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import ExceptionGroup
 
 pytestmark = pytest.mark.anyio
 
@@ -161,3 +165,32 @@ async def test_an_abort_during_a_data_job_ends_the_call_when_the_job_is_over(
             with pytest.raises(aaccl.Aborted, match="stopped during a data job"):
                 await call
         assert aborted and time.monotonic() - start < SURFACES
+
+
+async def test_a_root_waiting_for_a_rank_that_left_to_take_its_data_fails_at_once(
+        anyio_backend: str) -> None:
+    """A large bcast's root waits for each peer to read its data from its memory; a
+    peer whose program returned never will (before: the root waited the timeout)."""
+    count = OFFLOAD_BYTES // 4  # far more than the rx buffers hold: read in place
+    errors: dict[int, aaccl.ACCLError] = {}
+
+    async def main(accl: aaccl.ACCL) -> None:
+        if accl.rank == 1:
+            return
+        buf = accl.allocate(count)
+        try:
+            await accl.bcast(buf, count, 0)
+        except aaccl.ACCLError as error:  # (or cancelled once rank 0 raised)
+            errors[accl.rank] = error
+            raise
+
+    start = time.monotonic()
+    with pytest.raises((aaccl.Aborted, ExceptionGroup)):
+        await anyio.to_thread.run_sync(
+            lambda: aaccl.run(main, 3, timeout=TIMEOUT, backend=anyio_backend))
+    assert time.monotonic() - start < SURFACES
+    assert "bcast (rank 0, call 1) was aborted: rank 1 left the world: its program returned" \
+        in str(errors[0])
+    if 2 in errors:  # (unless it took its data before the root learned)
+        assert isinstance(errors[2], aaccl.Aborted)
+        assert "rank 1 left the world" in str(errors[2])
