@@ -7,6 +7,7 @@ as soon as its job is over, not go on to wait for peers that have stopped."""
 from __future__ import annotations
 
 import random
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -61,7 +62,7 @@ async def raising_trial(rng: random.Random, ranks: int, count: int, backend: str
         await anyio.to_thread.run_sync(
             lambda: aaccl.run(main, ranks, timeout=TIMEOUT, backend=backend))
     took = time.monotonic() - raised[0]
-    assert took < SURFACES, f"rank {culprit} raised at allreduce {stop}: the world took {took:.2f} s"
+    assert took < SURFACES, f"rank {culprit} raised at allreduce {stop}: run took {took:.2f} s"
     for error in seen:
         if isinstance(error, aaccl.ACCLError):
             assert isinstance(error, aaccl.Aborted), error
@@ -92,7 +93,7 @@ async def cancelling_trial(rng: random.Random, ranks: int, count: int) -> None:
                 for accl in accls:
                     tasks.start_soon(rank, accl)
     took = time.monotonic() - cancelled[0]
-    assert took < SURFACES, f"rank {culprit} cancelled at allreduce {stop}: closing took {took:.2f} s"
+    assert took < SURFACES, f"rank {culprit} cancelled at allreduce {stop}: took {took:.2f} s"
     for call in last:
         assert call.done()
         try:
@@ -194,3 +195,31 @@ async def test_a_root_waiting_for_a_rank_that_left_to_take_its_data_fails_at_onc
     if 2 in errors:  # (unless it took its data before the root learned)
         assert isinstance(errors[2], aaccl.Aborted)
         assert "rank 1 left the world" in str(errors[2])
+
+
+INTERRUPTED = """
+import anyio, aaccl
+
+async def world():
+    async with aaccl.open_world(2, timeout=30) as (a, b):
+        pending = b.recv(b.allocate(4), 4, 0)  # nobody sends: the close must abort it
+
+        def interrupt():  # as Ctrl-C landing while the engine runs on the loop's thread
+            raise KeyboardInterrupt
+
+        a._driver.device.engine.post(interrupt)
+    await pending
+
+anyio.run(world, backend=BACKEND)
+"""
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_keyboard_interrupt_inside_the_engine_reaches_the_program_and_the_world_closes(
+        backend: str) -> None:
+    """(In a process of its own: before, the engine stayed wedged and the world's
+    close waited forever.)"""
+    proc = subprocess.run([sys.executable, "-c", INTERRUPTED.replace("BACKEND", repr(backend))],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == "KeyboardInterrupt"
