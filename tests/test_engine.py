@@ -54,6 +54,27 @@ def test_an_event_that_raises_is_logged_and_the_rest_run(caplog: pytest.LogCaptu
     engine.close()
 
 
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_inside_an_event_propagates_and_the_engine_still_drains(
+        kind: type[BaseException]) -> None:
+    engine = Engine("test")
+    seen: list[str] = []
+
+    def interrupted() -> None:
+        engine.soon(seen.append, "raised before")  # queued behind the interrupted event
+        engine.post(seen.append, "posted before")
+        raise kind()
+
+    with pytest.raises(kind):
+        engine.post(interrupted)
+    assert seen == []  # the interrupt went to the caller at once ...
+    engine.post(seen.append, "after")  # ... and the next post drains everything, in order
+    assert seen == ["raised before", "posted before", "after"]
+    engine.post(seen.append, "later")
+    assert seen[-1] == "later"
+    engine.close()
+
+
 def test_timers_fire_once_cancelled_ones_never_and_the_clock_survives_a_raising_timer(
         caplog: pytest.LogCaptureFixture) -> None:
     engine = Engine("test")

@@ -202,6 +202,12 @@ class SoftCall:
         if self.deps_left == 0:
             self.dev.ready(self)
 
+    def refuse(self, error: ACCLError) -> None:
+        """End the call before it is admitted (its CCLO was aborted or closed): it
+        takes no place in the message order, which no peer follows any more."""
+        self.state = State.DONE
+        self.dev.finished(self, aborted=True, error=error)
+
     def abort(self) -> None:
         """A dependency failed: the call never runs."""
         self.abandon()
@@ -233,7 +239,10 @@ class SoftCall:
         if self.state is State.SUBMITTED:
             self.abort()
             return
-        self._interrupt(CallFailed(ErrorCode.RECEIVE_TIMEOUT_ERROR))
+        # as a failure: a wait that cannot be withdrawn now (a data job, a peer
+        # reading our data) ends the call when it is over, never a further step
+        self.failure = self.failure or RECEIVE_TIMEOUT
+        self._interrupt(CallFailed(RECEIVE_TIMEOUT))
 
     def _interrupt(self, failed: CallFailed) -> None:
         """Fail what the running call waits for, if that can be withdrawn now."""
@@ -655,7 +664,7 @@ class ScheduleCall(SoftCall):
         if prefix is None or comm is None:
             return
         self.dev.inbox.leave(prefix)
-        if self.quiet or comm.size == 1 or self.dev.silent:
+        if self.quiet or comm.size == 1 or self.dev.aborted is not None:
             return
         self.quiet = True
         me, notice = self.dev.session, self._notice(code, why)

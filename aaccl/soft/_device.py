@@ -62,7 +62,8 @@ class SoftDevice:
         if watch is not None:
             watch(lambda: bool(self._calls))
         self.gone_lane: dict[int, int] = {}  # ... and how far MPI ran their collectives
-        self.silent = False  # aborted whole: failing calls send no notices
+        # aborted whole: failing calls send no notices, and later ones fail at once
+        self.aborted: Aborted | None = None
         self.inbox.on_leave = self._peer_left
         self.inbox.on_stray = self._stray
         register = getattr(port, "register", None)
@@ -228,8 +229,10 @@ class SoftDevice:
         return handle
 
     def _admit(self, call: SoftCall, waitfor: tuple[DeviceCall, ...]) -> None:
-        if self.closed:
-            call.abort()
+        if self.aborted is not None or self.closed:
+            # submitted after the abort was processed (a rank's task still ran on):
+            # nothing else would ever end it
+            call.refuse(self.aborted or DeviceError("the soft CCLO is closed"))
             return
         self._calls[call] = None
         if call.args.scenario != Scenario.CONFIG:
@@ -365,7 +368,7 @@ class SoftDevice:
         # every call of this CCLO ends, as do its world's (or it leaves, and says so
         # once): no notice per collective, which for thousands of calls on many
         # ranks would cost more than the abort itself
-        self.silent = True
+        self.aborted = error
         for call in list(self._calls):
             call.abort_now(error)
 

@@ -170,19 +170,26 @@ class Engine:
 
     def _drain(self) -> None:
         soon, posted = self._soon, self._posted
-        while True:
-            while soon:
-                fn, args = soon.popleft()
-                try:
-                    fn(*args)
-                except Exception:  # events fail their own calls; this is a last resort
-                    log.exception("soft CCLO engine %s: internal error in %r", self.name, fn)
+        try:
+            while True:
+                while soon:
+                    fn, args = soon.popleft()
+                    try:
+                        fn(*args)
+                    except Exception:  # events fail their own calls; a last resort
+                        log.exception("soft CCLO engine %s: internal error in %r", self.name, fn)
+                with self._lock:
+                    if not posted:
+                        self._draining = False
+                        return
+                    soon.extend(posted)
+                    posted.clear()
+        except BaseException:
+            # KeyboardInterrupt, SystemExit: the caller gets it at once, and the engine
+            # stays drainable; what is still queued runs, in order, at the next post
             with self._lock:
-                if not posted:
-                    self._draining = False
-                    return
-                soon.extend(posted)
-                posted.clear()
+                self._draining = False
+            raise
 
     # -- timers -------------------------------------------------------------------
 

@@ -32,13 +32,14 @@ class InProcessFabric:
 
 
 class _Handover(Wait):
-    """A send whose payload the receiver reads from our memory: done once released."""
+    """A send whose payload the receiver (session `dst`) reads from our memory: done
+    once released."""
 
-    __slots__ = ("inbox", "msg")
+    __slots__ = ("inbox", "msg", "dst")
 
-    def __init__(self, inbox: Inbox, msg: Message, timeout_code: int) -> None:
+    def __init__(self, inbox: Inbox, msg: Message, timeout_code: int, dst: int) -> None:
         super().__init__(timeout_code)
-        self.inbox, self.msg = inbox, msg
+        self.inbox, self.msg, self.dst = inbox, msg, dst
 
     def expire(self) -> bool:
         """Withdraw the message if no receive has started on it (then the send
@@ -124,7 +125,7 @@ class InProcessPort:
         inbox = self.fabric.inboxes[dst]
         if inbox.deliver(msg):
             return None
-        handover = _Handover(inbox, msg, timeout_code)
+        handover = _Handover(inbox, msg, timeout_code, dst)
         msg.consumed = handover
         return handover
 
