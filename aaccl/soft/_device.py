@@ -322,7 +322,7 @@ class SoftDevice:
         """A peer's message of a collective came after our call of it ended (engine
         context): the calls do not match. Tell every member, so that those still in
         it fail at once (a gather's root waiting for data that went to another)."""
-        if self.silent:
+        if self.aborted is not None:
             return
         _, comm_key, seq = msg.key[:3]
         assert msg.fp is not None
