@@ -77,7 +77,7 @@ async def still_works(checks: Checks, accl: aaccl.ACCL, round_: int) -> None:
 
 
 async def verdicts(checks: Checks, accl: aaccl.ACCL) -> None:
-    rank, size = accl.rank, accl.size
+    rank = accl.rank
     await still_works(checks, accl, 0)
     for count in (4, 40_000):  # the data rides in the opening, or follows it
         mine = count + (rank == 0)
