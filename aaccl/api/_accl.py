@@ -197,12 +197,12 @@ class ACCL:
     async def _settle(self) -> None:
         """Wait until every outstanding call has ended; abort at once those whose
         await was cancelled (`wait_for`, a timeout scope): nobody waits for them."""
-        abort = getattr(self._driver.device, "abort_call", None)
+        abort = getattr(self._driver.device, "abort_calls", None)
         if abort is not None:
             with self._lock:
-                given_up = [c for c in self._outstanding if c._given_up]
-            for call in given_up:
-                abort(call._device, "its await was cancelled and its rank left the world")
+                given_up = [c._device for c in self._outstanding if c._given_up]
+            if given_up:
+                abort(given_up, "its await was cancelled and its rank left the world")
         while True:
             with self._lock:
                 pending = next(iter(self._outstanding), None)

@@ -350,15 +350,15 @@ class SoftDevice:
         if peer_left is not None:  # the world's collectives from there on never run
             peer_left(lane_done, str(error))
 
-    def abort_call(self, handle: DeviceCall, reason: str) -> None:
-        """End one outstanding call (by its handle) with `Aborted(reason)`."""
-        self.engine.post(self._abort_call, handle, reason)
+    def abort_calls(self, handles: Sequence[DeviceCall], reason: str) -> None:
+        """End these outstanding calls (by their handles) with `Aborted(reason)`, in
+        one pass over the outstanding calls however many there are (any thread)."""
+        self.engine.post(self._abort_calls, frozenset(handles), reason)
 
-    def _abort_call(self, handle: DeviceCall, reason: str) -> None:
-        for call in self._calls:
-            if call.handle is handle:
-                call.abort_now(Aborted(reason))
-                return
+    def _abort_calls(self, handles: frozenset[DeviceCall], reason: str) -> None:
+        error = Aborted(reason)
+        for call in [c for c in self._calls if c.handle in handles]:
+            call.abort_now(error)
 
     def abort(self, reason: str) -> None:
         """End every outstanding call at once with `Aborted(reason)` (any thread)."""
