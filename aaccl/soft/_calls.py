@@ -555,8 +555,6 @@ class ScheduleCall(SoftCall):
                 self.lane = lane(comm.key)
                 self.op = None if self.lane is None else self.lane.admit()
                 self.lane_index = -1 if self.op is None else self.op.index
-            if args.scenario in ROOTED and args.root_src_dst >= comm.size:
-                raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
             self._join(comm)
         if args.stream_flags:
             rank, size = (0, 1) if self.comm is None else (self.comm.rank, self.comm.size)
@@ -572,19 +570,29 @@ class ScheduleCall(SoftCall):
         in their messages), now and as their messages come."""
         args = self.args
         scenario = Scenario(args.scenario)
-        path = self.dev.datapath(args)
-        self.fp = (int(scenario), None if scenario == Scenario.BARRIER else args.count,
-                   path.dtype.str, path.wire.str,
-                   args.root_src_dst if scenario in ROOTED else None,
-                   args.function if scenario in REDUCING else None, comm.size)
+        invalid: CallFailed | None = None
+        try:
+            if scenario in ROOTED and args.root_src_dst >= comm.size:
+                raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
+            path = self.dev.datapath(args)
+            self.fp = (int(scenario), None if scenario == Scenario.BARRIER else args.count,
+                       path.dtype.str, path.wire.str,
+                       args.root_src_dst if scenario in ROOTED else None,
+                       args.function if scenario in REDUCING else None, comm.size)
+        except CallFailed as failed:  # it never runs (`abandon` ends its records)
+            invalid = failed
         assert self.prefix is not None
+        roll_call = getattr(self.dev.port, "roll_call", None)  # in process: all at once
+        differs = None
+        if roll_call is not None and comm.size > 1:  # every rank counts, valid or not
+            differs = roll_call(self.prefix, comm.size, self.dev.session, self.fp)
+        if invalid is not None:
+            raise invalid
+        assert self.fp is not None
         failure = self.dev.inbox.join(self.prefix, self.dev.session, self.fp,
                                       self._peer_failed)
-        roll_call = getattr(self.dev.port, "roll_call", None)  # in process: all at once
-        if roll_call is not None and comm.size > 1:
-            differs = roll_call(self.prefix, comm.size, self.dev.session, self.fp)
-            if failure is None and differs is not None:
-                failure = (*differs, False)
+        if failure is None and differs is not None:
+            failure = (*differs, False)
         if failure is not None:
             code, why, notified = failure
             self.quiet = notified

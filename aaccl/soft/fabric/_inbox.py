@@ -3,13 +3,23 @@
 Everything here runs in its engine's context (one thread at a time), so nothing
 locks. Point-to-point messages match in MPI's order (`Stream`); a collective's
 steps match exactly on (source, comm, seq, scenario, tag), in a dict.
+
+Every record of a collective ends with our call of it. Collectives on a
+communicator are numbered in submission order on every rank (`admit`), so one
+number per communicator says which are over here: a collective numbered below the
+next one we admit, with no call of ours running, has ended here (it finished,
+failed, or was rejected by the host). What its peers send for it or say of it
+after that is dropped on arrival (an eager message's rx buffers freed, a
+rendezvous one's sender told it never arrived), and what came before it ended
+goes when it ends (`leave`, `abandon_steps`). So nothing is kept per collective
+once it ended, whatever its peers still do.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import numpy as np
 
@@ -110,7 +120,7 @@ class Inbox:
         self._streams: dict[tuple[Key, int], Stream] = {}
         self._steps: dict[tuple[int, Key], Message] = {}
         self._step_waits: dict[tuple[int, Key], StepWait] = {}
-        self._abandoned: set[Key] = set()  # ("coll", comm, seq) of collectives that gave up
+        self._coll_seq: dict[Hashable, int] = {}  # per communicator: the next collective's seq
         self._members: dict[Key, _Member] = {}  # our running collectives, by prefix
         self._seen: dict[Key, tuple[int, Fingerprint]] = {}  # before we joined
         self._failed: dict[Key, Failure] = {}  # notices for collectives we have not joined
@@ -152,10 +162,7 @@ class Inbox:
                 if acknowledge is not None:
                     acknowledge()
             return True
-        if kind == "coll":
-            self._check(msg)
-        if kind != "p2p" and msg.key[:3] in self._abandoned:
-            # its collective gave up here: nobody will read it
+        if kind == "coll" and not self._check(msg):  # its collective ended here: nobody reads it
             if not msg.eager:
                 msg.state = MessageState.WITHDRAWN  # the sender's wait fails at its deadline
                 return False
@@ -272,6 +279,17 @@ class Inbox:
 
     # -- collective steps -----------------------------------------------------------
 
+    def admit(self, comm_key: Hashable) -> int:
+        """The number of our next collective on communicator `comm_key` (the same
+        on every rank); from now on, what comes for it is ours to end."""
+        seq = self._coll_seq.get(comm_key, 0)
+        self._coll_seq[comm_key] = seq + 1
+        return seq
+
+    def _ended(self, prefix: Key) -> bool:
+        """Our call of collective `prefix` was admitted and is no longer running."""
+        return prefix[2] < self._coll_seq.get(prefix[1], 0) and prefix not in self._members
+
     def join(self, prefix: Key, session: int, fp: Fingerprint,
              fail: Callable[[int, str, bool], None]) -> tuple[int, str, bool] | None:
         """Our call of collective `prefix` is admitted: check it against what peers
@@ -290,16 +308,20 @@ class Inbox:
         """Our call of `prefix` ended."""
         self._members.pop(prefix, None)
 
-    def _check(self, msg: Message) -> None:
+    def _check(self, msg: Message) -> bool:
+        """Check a collective's message against our call of it; False if that call
+        ended (nobody will read the message)."""
         prefix = msg.key[:3]
         member = self._members.get(prefix)
         if member is None:
-            if msg.fp is not None and prefix not in self._seen \
-                    and prefix not in self._abandoned:
+            if self._ended(prefix):
+                return False
+            if msg.fp is not None and prefix not in self._seen:
                 self._seen[prefix] = (msg.src, msg.fp)
         elif msg.fp is not None and msg.fp != member.fp:
             code, why = mismatch(member.fp, msg.fp, member.session, msg.src)
             member.fail(code, why, False)
+        return True
 
     def _notice(self, msg: Message) -> None:
         """A peer's call of a collective failed: so does ours, now or when it comes;
@@ -311,7 +333,7 @@ class Inbox:
         self._seen.pop(prefix, None)
         if member is not None:
             member.fail(code, why, True)
-        elif prefix not in self._abandoned:
+        elif not self._ended(prefix):
             self._failed[prefix] = (code, why)
 
     def expect_step(self, src: int, key: Key) -> Wait:
@@ -326,9 +348,12 @@ class Inbox:
         return wait
 
     def abandon_steps(self, prefix: Key) -> None:
-        """A collective (steps keyed `prefix + (scenario, tag)`) failed or never ran
-        here: free its eager messages' rx buffers, now and as they arrive."""
-        self._abandoned.add(prefix)
+        """Our call of a collective (steps keyed `prefix + (scenario, tag)`) failed or
+        never ran: it ends here, and its eager messages' rx buffers are freed, now
+        and as they arrive."""
+        self._members.pop(prefix, None)
+        self._seen.pop(prefix, None)
+        self._failed.pop(prefix, None)
         for slot in [k for k in self._steps if k[1][:3] == prefix]:
             msg = self._steps.pop(slot)
             if msg.eager or msg.payload is None:
