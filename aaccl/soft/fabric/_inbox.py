@@ -383,6 +383,7 @@ class Inbox:
         """The receiver is done with a message: free its rx buffers, tell the sender."""
         if msg.slots and self.rx is not None:
             self.rx.release(msg)
+        msg.payload = None  # (over MPI our own copy: it goes now, whoever still holds msg)
         msg.state = MessageState.DONE
         if msg.consumed is not None:
             msg.consumed.set()
