@@ -444,19 +444,45 @@ async def test_100000_cancelled_awaits_leave_no_waker() -> None:
         await recv
 
 
+async def _collectives(accls: list[aaccl.ACCL], times: int) -> None:
+    """Small and large allreduces, bcasts, and a bcast the last rank rejects."""
+    async def rank(accl: aaccl.ACCL) -> None:
+        small, large = accl.allocate(SMALL, np.float32), accl.allocate(LARGE * 4, np.float32)
+        for i in range(times):
+            calls = [accl.allreduce(small, small, SMALL, ReduceFunction.SUM),
+                     accl.allreduce(large, large, LARGE * 4, ReduceFunction.MAX),
+                     accl.bcast(large, LARGE * 4, root=i % len(accls))]
+            for call in calls:
+                await call
+            if accl.rank == len(accls) - 1:
+                with pytest.raises(ValueError):
+                    accl.bcast(small, SMALL, root=len(accls))
+            else:
+                try:
+                    await accl.bcast(small, SMALL, root=0)
+                except ACCLError:
+                    pass
+
+    async with anyio.create_task_group() as tasks:
+        for accl in accls:
+            tasks.start_soon(rank, accl)
+
+
 async def _watch(seconds: float, ranks: int) -> None:
-    """The mixed ring for `seconds`, RSS every 10 s (a run by hand)."""
+    """The mixed ring and collectives for `seconds`, RSS every 10 s (a run by hand)."""
     import time
     async with aaccl.open_world(ranks, nbufs=NBUFS, bufsize=BUFSIZE, timeout=10) as accls:
         comms, began, rounds, last = two_comms(accls), time.monotonic(), 0, 0.0
         while time.monotonic() - began < seconds:
             measure: list[int] = []
             await ring(accls, rounds=200, window=10, measure=measure, warmup=0, comms=comms)
+            await _collectives(accls, 20)
             rounds += 200
             if time.monotonic() - last >= 10:
                 last = time.monotonic()
                 print(f"{last - began:6.0f} s  {rounds * 10 * ranks:9,} messages  "
-                      f"RSS {measure[-1] / MiB:7.1f} MiB", flush=True)
+                      f"{rounds // 10 * 4:7,} collectives  RSS {rss() / MiB:7.1f} MiB  "
+                      f"records {sum(records(accls).values())}", flush=True)
 
 
 if __name__ == "__main__":  # python tests/test_memory.py [seconds [ranks]]
