@@ -383,6 +383,8 @@ async def test_records_end_with_their_collectives() -> None:
             large_src = accl.allocate(LARGE * 4, np.float32)
             large_dst = accl.allocate(LARGE * 4, np.float32)
             for i in range(30):
+                small[:] = 1
+                large_src[:] = accl.rank + i
                 calls = [accl.allreduce(small, small, SMALL, ReduceFunction.SUM),
                          accl.allreduce(large_src, large_dst, LARGE * 4, ReduceFunction.SUM),
                          accl.bcast(large_src, LARGE * 4, root=i % 3)]
@@ -403,6 +405,9 @@ async def test_records_end_with_their_collectives() -> None:
                     else:
                         with pytest.raises(ACCLError):
                             await call
+                assert (small == 3).all()
+                assert (large_src == i % 3 + i).all()  # the bcast's root's
+                assert (large_dst[LARGE:] == 3 * i + 3).all()  # the allreduce's sum
 
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tasks:
