@@ -12,6 +12,8 @@ gathers with different roots runs the same through both fabrics.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from aaccl._constants import Scenario
@@ -42,13 +44,21 @@ def step(seq: int, root: int, eager: bool = True) -> tuple[Message, list[str]]:
     return msg, told
 
 
+def join(inbox: Inbox, seq: int, fp: tuple,
+         fail: Callable[[int, str, bool], None]) -> tuple[int, str, bool] | None:
+    """Our call of collective `seq` is admitted (in order, as the device does), and
+    joins it."""
+    assert inbox.admit(COMM) == seq
+    return inbox.join(("coll", COMM, seq), 0, fp, fail)
+
+
 def fail(code: int, why: str, notified: bool) -> None:
     raise AssertionError(f"no call of ours runs: {why}")
 
 
 def test_a_step_for_a_call_that_ended_here_is_dropped_at_once() -> None:
     inbox = inbox_with_rx()
-    assert inbox.join(("coll", COMM, 0), 0, fingerprint(1), fail) is None
+    assert join(inbox, 0, fingerprint(1), fail) is None
     inbox.leave(("coll", COMM, 0))  # our call only sent, and succeeded
     msg, told = step(0, root=0)  # rank 1 named the other root: it sent to us
     assert inbox.deliver(msg)  # the send is done ...
@@ -63,7 +73,7 @@ def test_a_step_for_a_call_that_ended_here_is_dropped_at_once() -> None:
 
 def test_a_rendezvous_step_for_a_call_that_ended_here_is_refused() -> None:
     inbox = inbox_with_rx()
-    inbox.join(("coll", COMM, 0), 0, fingerprint(1), fail)
+    join(inbox, 0, fingerprint(1), fail)
     inbox.leave(("coll", COMM, 0))
     msg, told = step(0, root=0, eager=False)
     assert not inbox.deliver(msg)  # its sender's wait fails (never taken)
@@ -73,14 +83,14 @@ def test_a_rendezvous_step_for_a_call_that_ended_here_is_refused() -> None:
 
 def test_steps_of_calls_still_to_come_or_running_are_kept() -> None:
     inbox = inbox_with_rx(nbufs=4)
-    inbox.join(("coll", COMM, 0), 0, fingerprint(1), fail)
+    join(inbox, 0, fingerprint(1), fail)
     inbox.leave(("coll", COMM, 0))
     early, _ = step(1, root=1)  # our call of collective 1 comes later
     assert inbox.deliver(early) and inbox.rx is not None and len(inbox.rx.free) == 3
-    assert inbox.join(("coll", COMM, 1), 0, fingerprint(1), fail) is None
+    assert join(inbox, 1, fingerprint(1), fail) is None
     assert inbox.expect_step(1, early.key).value is early
     running, _ = step(2, root=1)
-    inbox.join(("coll", COMM, 2), 0, fingerprint(1), fail)  # our call runs
+    join(inbox, 2, fingerprint(1), fail)  # our call runs
     assert inbox.deliver(running)
     assert inbox.expect_step(1, running.key).value is running
 
@@ -93,13 +103,28 @@ def test_a_stray_step_is_reported_unless_our_call_failed() -> None:
     strays: list[Message] = []
     inbox.on_stray = strays.append
     for seq in (0, 1):
-        inbox.join(("coll", COMM, seq), 0, fingerprint(1), fail)
+        join(inbox, seq, fingerprint(1), fail)
         inbox.leave(("coll", COMM, seq))
     inbox.abandon_steps(("coll", COMM, 1))  # our call 1 failed
     first, _ = step(0, root=0)
     second, _ = step(1, root=0)
     assert inbox.deliver(first) and inbox.deliver(second)
     assert strays == [first]
+
+
+def test_a_step_for_a_call_that_failed_as_it_joined_is_no_stray() -> None:
+    """Our call failed at once (a peer told us its call failed before ours came):
+    the peers' steps for it are rightful, not proof of a mismatch."""
+    inbox = inbox_with_rx()
+    strays: list[Message] = []
+    inbox.on_stray = strays.append
+    notice = Message(1, ("abort", COMM, 0), 0, 0, None, eager=True)
+    notice.notice = (1, "rank 1's gather failed")
+    assert inbox.deliver(notice)
+    assert join(inbox, 0, fingerprint(1), fail) is not None
+    msg, told = step(0, root=1)
+    assert inbox.deliver(msg) and told == ["done"]
+    assert strays == [] and not inbox._steps and not inbox._failed
 
 
 def announcement(seq: int, root: int) -> tuple[Message, list[str]]:
@@ -115,16 +140,16 @@ def test_a_root_s_announcement_is_checked_and_keeps_nothing() -> None:
     inbox = inbox_with_rx()
     failures: list[str] = []
     running = announcement(0, root=1)[0]  # our call runs and names rank 0 (us) the root
-    inbox.join(("coll", COMM, 0), 0, fingerprint(0),
+    join(inbox, 0, fingerprint(0),
                lambda code, why, notified: failures.append(why))
     assert inbox.deliver(running)
     assert failures == ["rank 0 called gather(count=4, float32, root=0); "
                         "rank 1 called gather(count=4, float32, root=1)"]
     early, told = announcement(1, root=1)  # before our call: it fails when it comes
     assert inbox.deliver(early) and told == ["taken"]
-    assert inbox.join(("coll", COMM, 1), 0, fingerprint(0), fail) is not None
+    assert join(inbox, 1, fingerprint(0), fail) is not None
     agreeing, _ = announcement(2, root=1)
-    inbox.join(("coll", COMM, 2), 0, fingerprint(1), fail)  # the same call: no failure
+    join(inbox, 2, fingerprint(1), fail)  # the same call: no failure
     assert inbox.deliver(agreeing)
     inbox.leave(("coll", COMM, 0))
     inbox.leave(("coll", COMM, 2))

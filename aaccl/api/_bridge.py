@@ -17,6 +17,8 @@ from typing import Protocol
 
 Register = Callable[[Callable[[], None]], bool]
 """Registers `wake`; returns False (and never calls it) if the event already happened."""
+Forget = Callable[[Callable[[], None]], None]
+"""Unregisters `wake`: its task stopped waiting (cancelled)."""
 
 class Poller(Protocol):
     """A device whose progress a waiting task can make itself (the MPI fabric)."""
@@ -42,15 +44,17 @@ or cancel scope around a loop of such calls still fires. (trio checkpoints anywa
 _next_turn = 0.0  # (monotonic) when a polling task next lets the loop turn
 
 
-async def wait(register: Register, poller: Poller | None = None) -> None:
+async def wait(register: Register, poller: Poller | None = None,
+               forget: Forget | None = None) -> None:
     """Suspend the current task until the registered `wake` is called from any thread;
-    with a `poller`, poll it for a while first."""
+    with a `poller`, poll it for a while first. If the task is cancelled meanwhile,
+    `forget(wake)` unregisters it (so that waits retried under timeouts add none)."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
-        await _wait_trio(register, poller)
+        await _wait_trio(register, poller, forget)
     else:
-        await _wait_asyncio(loop, register, poller)
+        await _wait_asyncio(loop, register, poller, forget)
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -59,7 +63,7 @@ def _resolve(future: asyncio.Future[None]) -> None:
 
 
 async def _wait_asyncio(loop: asyncio.AbstractEventLoop, register: Register,
-                        poller: Poller | None) -> None:
+                        poller: Poller | None, forget: Forget | None) -> None:
     future: asyncio.Future[None] = loop.create_future()
     home = threading.get_ident()
 
@@ -74,24 +78,30 @@ async def _wait_asyncio(loop: asyncio.AbstractEventLoop, register: Register,
 
     global _next_turn
     if register(wake):
-        if poller is not None:
-            until = time.monotonic() + POLL_FOR
-            while True:
-                poller.poll()
-                now = time.monotonic()
-                if future.done() and now < _next_turn:
-                    return
-                if not future.done() and now >= until:
-                    poller.park()
-                    break
-                await asyncio.sleep(0)
-                _next_turn = time.monotonic() + TURN_EVERY
-                if future.done():
-                    break
-        await future
+        try:
+            if poller is not None:
+                until = time.monotonic() + POLL_FOR
+                while True:
+                    poller.poll()
+                    now = time.monotonic()
+                    if future.done() and now < _next_turn:
+                        return
+                    if not future.done() and now >= until:
+                        poller.park()
+                        break
+                    await asyncio.sleep(0)
+                    _next_turn = time.monotonic() + TURN_EVERY
+                    if future.done():
+                        break
+            await future
+        except BaseException:
+            if forget is not None:
+                forget(wake)
+            raise
 
 
-async def _wait_trio(register: Register, poller: Poller | None) -> None:
+async def _wait_trio(register: Register, poller: Poller | None,
+                     forget: Forget | None) -> None:
     import trio
 
     task = trio.lowlevel.current_task()
@@ -123,13 +133,18 @@ async def _wait_trio(register: Register, poller: Poller | None) -> None:
         return trio.lowlevel.Abort.SUCCEEDED
 
     if register(wake):
-        if poller is not None:
-            until = time.monotonic() + POLL_FOR
-            while waiting and time.monotonic() < until:
-                poller.poll()
-                await trio.lowlevel.checkpoint()
-            if not waiting:
-                return
-            parked = True
-            poller.park()
-        await trio.lowlevel.wait_task_rescheduled(abort)
+        try:
+            if poller is not None:
+                until = time.monotonic() + POLL_FOR
+                while waiting and time.monotonic() < until:
+                    poller.poll()
+                    await trio.lowlevel.checkpoint()
+                if not waiting:
+                    return
+                parked = True
+                poller.park()
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        except BaseException:
+            if forget is not None:
+                forget(wake)
+            raise

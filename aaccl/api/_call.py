@@ -125,7 +125,10 @@ class Call:
         if self._finished:
             return True
         finished = threading.Event()
-        return not self._register(finished.set) or finished.wait(timeout)
+        if not self._register(finished.set) or finished.wait(timeout):
+            return True
+        self._forget(finished.set)
+        return False
 
     def _register(self, wake: Callable[[], None]) -> bool:
         with self._lock:
@@ -134,6 +137,12 @@ class Call:
             self._wakers.append(wake)
             return True
 
+    def _forget(self, wake: Callable[[], None]) -> None:
+        """A waiter gave up (cancelled, timed out): its `wake` goes."""
+        with self._lock:
+            if wake in self._wakers:
+                self._wakers.remove(wake)
+
     def __await__(self) -> Generator[Any, None, None]:
         self._used = True  # even if the await is cancelled: the caller did await it
         if not self._finished:
@@ -141,7 +150,7 @@ class Call:
             began = time.perf_counter_ns() if trace is not None else 0
             try:
                 poller = getattr(self.owner, "_poller", None)
-                yield from _bridge.wait(self._register, poller).__await__()
+                yield from _bridge.wait(self._register, poller, self._forget).__await__()
             except BaseException:
                 self._given_up = not self._finished  # cancelled: see ACCL._settle
                 raise

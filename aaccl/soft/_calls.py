@@ -566,14 +566,19 @@ class ScheduleCall(SoftCall):
         self.op: Op | None = None  # its place among the collectives MPI runs
         if args.scenario in COLLECTIVES:
             self.comm = comm = dev.comm(args.comm)
-            self.seq = dev.next_coll_seq(comm.key)
+            self.seq = dev.inbox.admit(comm.key)
             self.prefix = ("coll", comm.key, self.seq)
             lane = getattr(dev.port, "lane", None)
             if lane is not None and not args.stream_flags:
                 self.lane = lane(comm.key)
             try:
+                if args.scenario in ROOTED and args.root_src_dst >= comm.size:
+                    raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
                 path = dev.datapath(args)
             except CallFailed as failed:  # it can never run: it takes its turn at once
+                roll_call = getattr(dev.port, "roll_call", None)  # (it counts all the same)
+                if roll_call is not None and comm.size > 1:
+                    roll_call(self.prefix, comm.size, dev.session, None)
                 if self.lane is not None:
                     self.op = self.lane.admit()
                     self.lane_index = self.op.index
@@ -587,8 +592,6 @@ class ScheduleCall(SoftCall):
             if self.lane is not None:  # (its fingerprint first: see Lane._pump)
                 self.op = self.lane.admit(self.fp)
                 self.lane_index = self.op.index
-            if args.scenario in ROOTED and args.root_src_dst >= comm.size:
-                raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
             self._join(comm)
         if args.stream_flags:
             rank, size = (0, 1) if self.comm is None else (self.comm.rank, self.comm.size)

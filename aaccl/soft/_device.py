@@ -50,7 +50,6 @@ class SoftDevice:
         self._configs: dict[int, xm.ArithConfig] = {}
         self._paths: dict[tuple[int, int, int], Datapath] = {}
         self._send_seq: dict[tuple[Hashable, int], int] = {}
-        self._coll_seq: dict[Hashable, int] = {}
         self._queue: deque[SoftCall] = deque()  # in order: calls admitted, not ended; head runs
         self._calls: dict[SoftCall, None] = {}  # admitted, not finished (in order)
         self._jobs = HostJobs(f"soft-cclo-{session}")
@@ -159,11 +158,6 @@ class SoftDevice:
     def next_send_seq(self, comm_key: Hashable, dst: int) -> int:
         seq = self._send_seq.get((comm_key, dst), 0)
         self._send_seq[(comm_key, dst)] = seq + 1
-        return seq
-
-    def next_coll_seq(self, comm_key: Hashable) -> int:
-        seq = self._coll_seq.get(comm_key, 0)
-        self._coll_seq[comm_key] = seq + 1
         return seq
 
     def count_message(self, args: CallArgs, field: int) -> None:
@@ -290,7 +284,12 @@ class SoftDevice:
             comm = self.comm(address)
         except CallFailed:
             return
-        seq = self.next_coll_seq(comm.key)
+        seq = self.inbox.admit(comm.key)
+        prefix = ("coll", comm.key, seq)
+        self.inbox.abandon_steps(prefix)  # what the peers sent for it frees its rx buffers
+        roll_call = getattr(self.port, "roll_call", None)
+        if roll_call is not None and comm.size > 1:  # counts, so the roll's entry ends
+            roll_call(prefix, comm.size, self.session, None)
         lane = getattr(self.port, "lane", None)
         lane = None if lane is None else lane(comm.key)
         if lane is not None:  # it takes its turn among the collectives MPI runs, too

@@ -3,6 +3,22 @@
 Everything here runs in its engine's context (one thread at a time), so nothing
 locks. Point-to-point messages match in MPI's order (`Stream`); a collective's
 steps match exactly on (source, comm, seq, scenario, tag), in a dict.
+
+Every record of a collective ends with our call of it. Collectives on a
+communicator are numbered in submission order on every rank (`admit`), so one
+number per communicator says which are over here: a collective numbered below the
+next one we admit, with no call of ours running, has ended here (it finished,
+failed, or was rejected by the host). What its peers send for it or say of it
+after that is dropped on arrival (an eager message's rx buffers freed, a
+rendezvous one's sender told it never arrived), and what came before it ended
+goes when it ends (`leave`, `abandon_steps`). So nothing is kept per collective
+once it ended, whatever its peers still do.
+
+A message that comes for a collective whose call here ended well can only come
+from a peer whose call of it does not match ours (a matching call's messages are
+all taken before ours ends): `on_stray` hears of it, so that the members fail at
+once. For that the inbox remembers which of its last `GAVE_UP_KEPT` ended calls
+failed (their peers may still send, rightly): a window, not a record per call.
 """
 
 from __future__ import annotations
@@ -24,6 +40,9 @@ MISMATCH = int(ErrorCode.DMA_MISMATCH_ERROR)
 
 Failure = tuple[int, str]
 """(retcode, why) a collective fails with."""
+
+GAVE_UP_KEPT = 1024
+"""Collectives that failed here whose late messages are still known as rightful."""
 
 
 def mismatch(fp: Fingerprint, other: Fingerprint, ours: int, theirs: int) -> Failure:
@@ -110,12 +129,12 @@ class Inbox:
         self._streams: dict[tuple[Key, int], Stream] = {}
         self._steps: dict[tuple[int, Key], Message] = {}
         self._step_waits: dict[tuple[int, Key], StepWait] = {}
-        self._abandoned: set[Key] = set()  # ("coll", comm, seq) of collectives that gave up
-        self._joined: dict[Hashable, int] = {}  # per communicator: how many collectives joined
+        self._coll_seq: dict[Hashable, int] = {}  # per communicator: the next collective's seq
+        self._gave_up: dict[Key, None] = {}  # the last GAVE_UP_KEPT collectives that failed here
         self._members: dict[Key, _Member] = {}  # our running collectives, by prefix
         self._seen: dict[Key, tuple[int, Fingerprint]] = {}  # before we joined
         self._failed: dict[Key, Failure] = {}  # notices for collectives we have not joined
-        # a peer's message of a collective whose call here ended (see `deliver`)
+        # a peer's message of a collective whose call here ended well (see `deliver`)
         self.on_stray: Callable[[Message], None] | None = None
         # a peer left its world (why, and how many collectives MPI ran it through)
         self.on_leave: Callable[[int, str, int], None] | None = None
@@ -141,7 +160,7 @@ class Inbox:
             return True
         if kind == "fp":  # a peer's call of a collective, for us to check ours against
             prefix = ("coll",) + msg.key[1:3]
-            if prefix[2] >= self._joined.get(prefix[1], 0) or prefix in self._members:
+            if not self._ended(prefix):
                 self._check(msg, prefix)
             msg.state = MessageState.DONE
             for acknowledge in (msg.on_taken, msg.on_done):
@@ -166,17 +185,12 @@ class Inbox:
             return True
         if kind == "coll":
             prefix = msg.key[:3]
-            if prefix not in self._members and prefix[2] < self._joined.get(prefix[1], 0):
-                # our call of it ended (or failed as it was submitted): a message for
-                # it now comes from a peer's call that does not match ours (a matching
-                # call's messages are all taken before ours ends), unless ours failed
-                if prefix not in self._abandoned and msg.fp is not None \
+            if self._ended(prefix):  # nobody here reads it
+                if prefix not in self._gave_up and msg.fp is not None \
                         and self.on_stray is not None:
-                    self.on_stray(msg)
+                    self.on_stray(msg)  # ours ended well: theirs does not match it
                 return self._drop(msg)
             self._check(msg, prefix)
-        if kind != "p2p" and msg.key[:3] in self._abandoned:
-            return self._drop(msg)  # its collective gave up here: nobody will read it
         copied = msg.payload is None or (msg.eager and self._store(msg))
         if msg.key[0] == "p2p":
             for recv, matched in self._stream(msg.key, msg.src).arrive(msg):
@@ -298,17 +312,29 @@ class Inbox:
 
     # -- collective steps -----------------------------------------------------------
 
+    def admit(self, comm_key: Hashable) -> int:
+        """The number of our next collective on communicator `comm_key` (the same
+        on every rank); from now on, what comes for it is ours to end."""
+        seq = self._coll_seq.get(comm_key, 0)
+        self._coll_seq[comm_key] = seq + 1
+        return seq
+
+    def _ended(self, prefix: Key) -> bool:
+        """Our call of collective `prefix` was admitted and is no longer running."""
+        return prefix[2] < self._coll_seq.get(prefix[1], 0) and prefix not in self._members
+
     def join(self, prefix: Key, session: int, fp: Fingerprint,
              fail: Callable[[int, str, bool], None]) -> tuple[int, str, bool] | None:
         """Our call of collective `prefix` is admitted: check it against what peers
         sent for it already (and whether one of them failed it); later arrivals are
         checked as they come, and `fail(code, why, notified)` ends our call."""
-        self._joined[prefix[1]] = prefix[2] + 1  # (in order of the collectives' numbers)
         failed = self._failed.pop(prefix, None)
         seen = self._seen.pop(prefix, None)
         if failed is not None:
+            self._give_up(prefix)
             return (*failed, True)
         if seen is not None and seen[1] != fp:
+            self._give_up(prefix)
             return (*mismatch(fp, seen[1], session, seen[0]), False)
         self._members[prefix] = _Member(session, fp, fail)
         return None
@@ -318,10 +344,11 @@ class Inbox:
         self._members.pop(prefix, None)
 
     def _check(self, msg: Message, prefix: Key) -> None:
+        """Check a message of collective `prefix` (not ended here) against our call
+        of it, or keep its call for ours to check when it comes."""
         member = self._members.get(prefix)
         if member is None:
-            if msg.fp is not None and prefix not in self._seen \
-                    and prefix not in self._abandoned:
+            if msg.fp is not None and prefix not in self._seen:
                 self._seen[prefix] = (msg.src, msg.fp)
         elif msg.fp is not None and msg.fp != member.fp:
             code, why = mismatch(member.fp, msg.fp, member.session, msg.src)
@@ -337,7 +364,7 @@ class Inbox:
         self._seen.pop(prefix, None)
         if member is not None:
             member.fail(code, why, True)
-        elif prefix not in self._abandoned and prefix[2] >= self._joined.get(prefix[1], 0):
+        elif not self._ended(prefix):
             self._failed.setdefault(prefix, (code, why))  # for our call, when it comes
 
     def expect_step(self, src: int, key: Key) -> Wait:
@@ -351,10 +378,21 @@ class Inbox:
         wait = self._step_waits[slot] = StepWait(self, slot)
         return wait
 
+    def _give_up(self, prefix: Key) -> None:
+        """Our call of `prefix` failed: its peers' late messages are rightful."""
+        gave_up = self._gave_up
+        gave_up[prefix] = None
+        if len(gave_up) > GAVE_UP_KEPT:
+            del gave_up[next(iter(gave_up))]
+
     def abandon_steps(self, prefix: Key) -> None:
-        """A collective (steps keyed `prefix + (scenario, tag)`) failed or never ran
-        here: free its eager messages' rx buffers, now and as they arrive."""
-        self._abandoned.add(prefix)
+        """Our call of a collective (steps keyed `prefix + (scenario, tag)`) failed or
+        never ran: it ends here, and its eager messages' rx buffers are freed, now
+        and as they arrive."""
+        self._members.pop(prefix, None)
+        self._seen.pop(prefix, None)
+        self._failed.pop(prefix, None)
+        self._give_up(prefix)
         for slot in [k for k in self._steps if k[1][:3] == prefix]:
             msg = self._steps.pop(slot)
             if msg.eager or msg.payload is None:
@@ -384,6 +422,7 @@ class Inbox:
         """The receiver is done with a message: free its rx buffers, tell the sender."""
         if msg.slots and self.rx is not None:
             self.rx.release(msg)
+        msg.payload = None  # (over MPI our own copy: it goes now, whoever still holds msg)
         msg.state = MessageState.DONE
         if msg.consumed is not None:
             msg.consumed.set()

@@ -25,7 +25,8 @@ class InProcessFabric:
         self.meetings: dict[Hashable, Meeting] = {}
         self.activities: dict[int, Callable[[], str]] = {}  # session -> what it does now
         # collectives some ranks have joined: the first one's call, and how many came
-        self.roll: dict[Hashable, tuple[tuple[int, Fingerprint], int]] = {}
+        # (every rank counts once, its call valid or not: the entry ends with the last)
+        self.roll: dict[Hashable, tuple[tuple[int, Fingerprint] | None, int]] = {}
 
     def port(self, session: int) -> InProcessPort:
         return InProcessPort(self, session)
@@ -50,12 +51,17 @@ class _Handover(Wait):
 class Meeting:
     """Where the ranks of one small collective meet in shared memory: the last to
     arrive computes everyone's result at once (O(N) work for N ranks, instead of
-    N log N messages), then sets every rank's wait."""
+    N log N messages), then sets every rank's wait.
 
-    __slots__ = ("size", "arrived", "seats", "seen", "abandoned", "_forget", "first")
+    It is forgotten once every rank came or gave up, or once a rank gave up and
+    nobody waits in it any more (a rank that rejected its call never comes): a
+    rank still to come then meets in a fresh one, which can never complete either,
+    so its call fails at its deadline (or on a peer's notice) as it would here."""
 
-    def __init__(self, size: int, forget: Callable[[], None]) -> None:
-        self.size, self._forget = size, forget
+    __slots__ = ("size", "arrived", "seats", "seen", "abandoned", "_meetings", "_key", "first")
+
+    def __init__(self, size: int, meetings: dict[Hashable, Meeting], key: Hashable) -> None:
+        self.size, self._meetings, self._key = size, meetings, key
         self.arrived: dict[int, Any] = {}
         self.seats: list[_Seat] = []
         self.seen = 0
@@ -74,6 +80,10 @@ class Meeting:
         self.seen += 1
         if self.seen == self.size:  # every rank came or gave up: nobody looks it up again
             self._forget()
+
+    def _forget(self) -> None:
+        if self._meetings.get(self._key) is self:
+            del self._meetings[self._key]
 
     def arrive(self, rank: int, contribution: Any,
                compute: Callable[[list[Any]], int]) -> Wait:
@@ -97,6 +107,8 @@ class Meeting:
         self.arrived.pop(rank, None)
         if not arrived:
             self._count()
+        if not self.arrived:  # nobody waits here any more
+            self._forget()
 
 
 class _Seat(Wait):
@@ -130,20 +142,23 @@ class InProcessPort:
         return handover
 
     def roll_call(self, key: Hashable, size: int, session: int,
-                  fp: Fingerprint) -> tuple[int, str] | None:
+                  fp: Fingerprint | None) -> tuple[int, str] | None:
         """Join collective `key` of `size` ranks: the mismatch with the first rank
         that joined, if their calls differ (found even where the two exchange no
-        message, as a gather's roots of different opinion do not)."""
+        message, as a gather's roots of different opinion do not). `fp` None: our
+        call of it will not run (the host rejected it, or it is invalid); it still
+        counts, so that the entry ends once every rank came."""
         roll = self.fabric.roll
-        entry = roll.get(key)
-        if entry is None:
-            first, seen = (session, fp), 1
-        else:
-            first, seen = entry[0], entry[1] + 1
+        first, seen = roll.get(key, (None, 0))
+        seen += 1
+        if first is None and fp is not None:
+            first = (session, fp)
         if seen >= size:
             roll.pop(key, None)
         else:
             roll[key] = (first, seen)
+        if fp is None or first is None:
+            return None
         other, theirs = first
         return None if theirs == fp else mismatch(fp, theirs, session, other)
 
@@ -161,7 +176,7 @@ class InProcessPort:
         meetings = self.fabric.meetings
         meeting = meetings.get(key)
         if meeting is None:
-            meeting = meetings[key] = Meeting(size, lambda: meetings.pop(key, None))
+            meeting = meetings[key] = Meeting(size, meetings, key)
         return meeting
 
     def close(self) -> None:

@@ -6,6 +6,15 @@ A message goes to the oldest posted receive whose tag matches; a receive takes
 the oldest unmatched message whose tag matches. TAG_ANY on either side matches
 any tag. Each side is kept in queues per tag plus one queue of all, oldest first,
 with lazy deletion, so a match looks at no more than two queue heads.
+
+Lazy deletion leaves an item matched through one queue in the other (a receive by
+tag leaves its message in the queue of all; TAG_ANY leaves it in its tag's queue).
+So that memory stays flat however long a program runs, a `_Queue` counts its
+entries, dead ones included, and rebuilds its queues from its live items (keeping
+their order, so the matching order is untouched) once dead entries outnumber live
+ones: at most 4 entries per live item (plus 8), and O(1) amortized, as a rebuild
+costs O(entries) and the matches since the last one made most of them dead. A
+tag's queue goes once found empty.
 """
 
 from __future__ import annotations
@@ -31,16 +40,21 @@ class PostedRecv(Wait):
 
 
 class _Queue(Generic[T]):
-    """Unmatched items (receives or messages), oldest first, by tag and all together."""
+    """Unmatched items (receives or messages), oldest first, by tag and all together.
+
+    Each item has an entry in two queues; `entries` counts them, dead ones included.
+    """
 
     def __init__(self) -> None:
         self.by_tag: dict[int, deque[tuple[int, T]]] = {}
         self.all: deque[tuple[int, T]] = deque()
         self.live: dict[int, T] = {}  # id -> item, for the ones still unmatched
+        self.entries = 0
 
     def add(self, order: int, tag: int, item: T, *, in_order: bool = False) -> None:
         """Append (or, `in_order`, insert by order: rare, so linear)."""
         self.live[id(item)] = item
+        self.entries += 2
         entry = (order, item)
         for queue in (self.all, self.by_tag.setdefault(tag, deque())):
             if in_order:
@@ -56,6 +70,7 @@ class _Queue(Generic[T]):
             if live.get(id(entry[1])) is entry[1]:
                 return entry
             queue.popleft()
+            self.entries -= 1
         return None
 
     def pop_oldest(self, tag: int) -> T | None:
@@ -63,17 +78,48 @@ class _Queue(Generic[T]):
         if tag == TAG_ANY:
             best = self._head(self.all)
         else:
-            best = self._head(self.by_tag.get(tag))
-            other = self._head(self.by_tag.get(TAG_ANY))
-            if best is None or (other is not None and other[0] < best[0]):
+            by_tag = self.by_tag
+            queue = by_tag.get(tag)
+            best = self._head(queue)
+            if best is None and queue is not None:
+                del by_tag[tag]
+            queue = by_tag.get(TAG_ANY)
+            other = self._head(queue)
+            if other is None:
+                if queue is not None:
+                    del by_tag[TAG_ANY]
+            elif best is None or other[0] < best[0]:
                 best = other
         if best is None:
             return None
-        del self.live[id(best[1])]
-        return best[1]
+        item = best[1]
+        live = self.live
+        del live[id(item)]
+        if self.entries > 4 * len(live) + 8:
+            self._rebuild()
+        return item
 
     def remove(self, item: T) -> bool:
-        return self.live.pop(id(item), None) is not None
+        live = self.live
+        if live.get(id(item)) is not item:
+            return False
+        del live[id(item)]
+        if self.entries > 4 * len(live) + 8:
+            self._rebuild()
+        return True
+
+    def _rebuild(self) -> None:
+        """Dead entries outnumber live ones (which bounds them, and also what a
+        rebuild costs): keep the live ones, in order."""
+        live = self.live
+        if not live:
+            self.all, self.by_tag, self.entries = deque(), {}, 0
+            return
+        keep = live.get
+        self.all = deque(e for e in self.all if keep(id(e[1])) is e[1])
+        self.by_tag = {tag: kept for tag, queue in self.by_tag.items()
+                       if (kept := deque(e for e in queue if keep(id(e[1])) is e[1]))}
+        self.entries = len(self.all) + sum(map(len, self.by_tag.values()))
 
 
 class Stream:
