@@ -17,8 +17,15 @@ card: it goes out at once, for a receive to take (acknowledged then: the payload
 is the receiver's own copy), and its send completes when that happens or when
 acknowledgements of earlier messages make room for it in the window, whichever
 comes first; it holds up later eager messages to the same rank meanwhile. A
-message above the eager threshold completes when its receive has taken it. A
-sender that times out withdraws its message.
+message above the eager threshold completes when its receive has taken it.
+
+A point-to-point message outside the window moves by rendezvous: the header goes
+at once, the payload stays with the sender until a receive matches the message,
+and the receiver then asks for it (READY) with its MPI receive already posted. So
+a receiver holds no payload its receives have not asked for. A sender whose
+deadline passes asks the receiver to withdraw its message (WITHDRAW) and waits
+for the answer: WITHDRAWN, or the acknowledgement of a receive that took it (or
+asked for it) first; sender and receiver never disagree.
 
 A process of the job may die at any moment (killed, out of memory). Nothing here
 waits on one peer inside MPI: payloads are received with nonblocking receives that
@@ -34,6 +41,7 @@ seconds, SIGALRM ends the process.
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import math
 import os
@@ -52,9 +60,12 @@ from ..._errors import Aborted
 from .._engine import Engine, Wait
 from ._inbox import Inbox
 from ._lane import Lane
-from ._message import Message
+from ._message import Message, MessageState
 
 HEADER, ACK, WITHDRAW = 1, 2, 3
+READY, WITHDRAWN = 0, 1
+"""Answers under ACK besides acknowledgements (a message id): (READY, id) asks the
+sender for a payload, (WITHDRAWN, id) agrees to drop a message."""
 NOTICES = ("leave", "abort")
 """Messages that only tell peers what happened here (see `post`)."""
 PAYLOAD_TAGS = 1 << 20
@@ -113,7 +124,12 @@ class MPIFabric:
         self._waiting: dict[int, _Awaited] = {}  # non-eager sends awaiting ack, by id
         # per destination, eager sends beyond the window, in order: (id, segments)
         self._for_room: list[deque[tuple[int, int]]] = [deque() for _ in range(self.size)]
+        self._held: dict[int, np.ndarray] = {}  # payloads the receivers will ask for, by id
         self._incoming: dict[tuple[int, int], Message] = {}  # non-eager, by (src, id)
+        # payloads asked for, by (src, id): their receives, and withdrawals waiting for them
+        self._fetches: dict[tuple[int, int], tuple[Any, np.ndarray]] = {}
+        self._asked: set[tuple[int, int]] = set()
+        self._left: set[int] = set()  # peers whose "leave" notice came: they answer no more
         # per source, what arrived and waits (behind a payload still coming) to be handled
         self._arriving: dict[int, deque[tuple[Any, Callable[..., Any], tuple[Any, ...]]]] = {}
         self.lost: str | None = None  # why a peer is known to be gone, if one is
@@ -155,7 +171,7 @@ class MPIFabric:
         payload = msg.payload
         nbytes = 0 if payload is None else payload.nbytes
         segments = -(-nbytes // self.bufsize)
-        queued = False  # an eager message waiting for room in the window
+        queued = pull = False  # an eager message waiting for room in the window
         with self._lock:
             msg_id = next(self._ids)
             eager = msg.eager and not msg.tombstone and not self._waits_for_room(dst) \
@@ -169,12 +185,17 @@ class MPIFabric:
                 if msg.eager:
                     self._for_room[dst].append((msg_id, segments))
                     queued = segments <= self.window  # may complete before MPI read it
-        inline = 0 < nbytes <= INLINE_BYTES
+                pull = nbytes > 0 and msg.key[0] == "p2p"
+        inline = 0 < nbytes <= INLINE_BYTES and not pull
         header = (msg_id, msg.key, msg.seq, msg.tag, eager, msg.tombstone, nbytes, inline,
                   msg.fp, msg.notice)
         if inline:  # one message: the header, then a snapshot of the payload
             data = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL) + payload.tobytes()
             self._isend([data, len(data), self._byte], dst, HEADER, data)
+            return request
+        if pull:  # rendezvous: the payload stays here until the receiver asks for it
+            self._held[msg_id] = payload.copy() if queued else payload
+            self._send_obj(header, dst, HEADER)
             return request
         self._send_obj(header, dst, HEADER)
         if nbytes:
@@ -235,6 +256,8 @@ class MPIFabric:
                 self._take(message, status)
             if self._arriving:
                 self._arrivals()
+            if self._fetches:
+                self._fetched()
             lane = self.lane is not None and self.lane.poll(self._drain)
         except MPI.Exception as error:  # a peer died mid-message: that one is lost
             self._mpi_error(error)
@@ -260,10 +283,14 @@ class MPIFabric:
                 if rank == self.rank or rank in self.dead or not 0 <= rank < self.size:
                     continue
                 self.dead[rank] = how
+                self._forget(rank)
                 on_leave = self.inbox.on_leave
                 if on_leave is not None:
                     lane_done = 0 if self.lane is None else self.lane.finished
                     self.engine.post(on_leave, rank, how, lane_done)
+        if self.dead:  # MPI is not used any more: no answer comes
+            with self._lock:
+                self._give_up(None)
 
     def _drain(self) -> None:
         """Take every message MPI already has, before a collective's end is told: what
@@ -285,6 +312,9 @@ class MPIFabric:
             if self.dead:  # nothing to poll any more (see `_bury`)
                 time.sleep(IDLE_SLEEP)
                 continue
+            if self.lost is not None:  # answers to our withdrawals may never come
+                with self._lock:
+                    self._give_up(None)
             self._tasks_gone.clear()
             if time.monotonic() - self._polled_at < SPIN:
                 # a task polls: keep out of its way until it parks (even a nap's wake-up
@@ -301,7 +331,7 @@ class MPIFabric:
                     # sleep, even of 0 s, lasts the kernel's timer slack: 50 us)
                     last = time.monotonic()
                     os.sched_yield()
-                elif self._arriving:  # payloads on their way: poll on, letting threads run
+                elif self._arriving or self._fetches:  # payloads on their way: poll on
                     last = time.monotonic()
                     time.sleep(0)
                 else:
@@ -327,28 +357,33 @@ class MPIFabric:
         elif tag == HEADER:
             self._receive(src, data, *obj)
         elif tag == ACK:
-            self._acked(obj)
+            if type(obj) is int:
+                self._acked(obj)
+            elif obj[0] == READY:
+                self._ready(src, obj[1])
+            else:
+                self._answered(obj[1])
         elif tag == WITHDRAW:  # handled after the message it withdraws
-            self._arrive(src, None, self._withdrawn, src, obj)
-
-    def _withdrawn(self, src: int, msg_id: int) -> None:
-        msg = self._incoming.pop((src, msg_id), None)
-        if msg is not None:
-            self.engine.post(self.inbox.withdraw, msg)
+            self._arrive(src, None, self.engine.post, self._answer, src, obj)
 
     def _receive(self, src: int, data: bytearray, msg_id: int, key: Any, seq: int, tag: int,
                  eager: bool, tombstone: bool, nbytes: int, inline: bool, fp: Any = None,
                  notice: tuple[int, str] | None = None) -> None:
         """A header (in `data`, maybe followed by its payload) has come from `src`."""
         payload, request = None, None
+        pull = nbytes > 0 and not eager and not inline and key[0] == "p2p"
         if inline:  # the payload is the message's tail
             payload = np.frombuffer(data, np.uint8, nbytes, len(data) - nbytes)
-        elif not tombstone:
+        elif not tombstone and not pull:
             payload = np.empty(nbytes, np.uint8)
             if nbytes:  # never a blocking receive: the sender may die before it is done
                 request = self.comm.Irecv([payload, nbytes, self._byte], src, _payload_tag(msg_id))
+        if key[0] == "leave":  # it answers no more, nor sends the payloads asked for
+            self._forget(src)
         msg = Message(src, key, seq, tag, payload, eager, tombstone)
         msg.fp, msg.notice = fp, notice
+        if pull:  # the sender keeps the payload until a receive matches (`_fetch`)
+            msg.nbytes, msg.fetch = nbytes, functools.partial(self._fetch, src, msg_id)
         if not tombstone and (nbytes or not eager):  # the sender waits for our ack
 
             def acknowledge() -> None:
@@ -392,6 +427,118 @@ class MPIFabric:
             if not queue:
                 del self._arriving[src]
 
+    # -- rendezvous: a payload moves once a receive matches its message --------------
+
+    def _fetch(self, src: int, msg_id: int) -> None:
+        """A receive matched message `msg_id` from `src` (engine context): receive its
+        payload into memory of our own, and ask the sender for it (once)."""
+        key = (src, msg_id)
+        msg = self._incoming.get(key)
+        if key in self._fetches or msg is None or src in self._left or self.dead:
+            return  # asked already, or it never comes (its receive fails at its deadline)
+        payload = np.empty(msg.nbytes, np.uint8)
+        try:
+            request = self.comm.Irecv([payload, msg.nbytes, self._byte], src,
+                                      _payload_tag(msg_id))
+        except _mpi_exception() as error:
+            self._mpi_error(error)
+            return
+        with self._lock:
+            self._fetches[key] = (request, payload)
+        self._send_obj((READY, msg_id), src, ACK)  # after the receive is posted
+
+    def _fetched(self) -> None:
+        """Hand the payloads that came to their messages (`_arrived`, in engine context)."""
+        with self._lock:
+            fetches = list(self._fetches.items())
+        for key, (request, payload) in fetches:
+            try:
+                if not request.Test():
+                    continue
+            except _mpi_exception() as error:  # its sender died: it never comes
+                self._mpi_error(error)
+                payload = None
+            with self._lock:
+                del self._fetches[key]
+            self.engine.post(self._arrived, key, payload)
+
+    def _arrived(self, key: tuple[int, int], payload: np.ndarray | None) -> None:
+        """A payload asked for came (None: it never will): its receive has it, unless
+        the sender asked meanwhile to withdraw the message (then it is decided now)."""
+        msg = self._incoming.get(key)
+        asked = key in self._asked
+        self._asked.discard(key)
+        if msg is None:
+            return
+        if payload is None:  # as if withdrawn: its receive waits again, to fail in time
+            payload, asked = np.empty(0, np.uint8), True
+        self.inbox.fetched(msg, payload, hand_over=not asked)
+        if asked:
+            self._answer(*key)
+
+    def _answer(self, src: int, msg_id: int) -> None:
+        """`src` asks to withdraw message `msg_id` (engine context): agree unless a
+        receive took it (then its acknowledgement is on its way, or comes once its
+        payload is here), and say so."""
+        key = (src, msg_id)
+        msg = self._incoming.get(key)
+        if msg is None:
+            return  # taken: acknowledged already
+        if key in self._fetches:
+            self._asked.add(key)  # decided once the payload is here (`_arrived`)
+            return
+        if self.inbox.withdraw(msg) or msg.state is MessageState.WITHDRAWN:
+            del self._incoming[key]
+            msg.payload = None
+            self._send_obj((WITHDRAWN, msg_id), src, ACK)
+
+    def _ready(self, dst: int, msg_id: int) -> None:
+        """The receiver asks for a payload: send it, even if we asked to withdraw the
+        message meanwhile (the receiver decides: it did not agree)."""
+        payload = self._held.pop(msg_id, None)
+        if payload is not None:
+            self._isend([payload, payload.nbytes, self._byte], dst, _payload_tag(msg_id),
+                        payload)
+
+    def _answered(self, msg_id: int) -> None:
+        """The receiver agreed to drop a message: its send fails."""
+        with self._lock:
+            awaited = self._waiting.pop(msg_id, None)
+            self._held.pop(msg_id, None)
+            done = [] if awaited is None else self._make_room(awaited.dst)
+        for wait in done:
+            self.engine.post(wait.set)
+        if awaited is not None:
+            self.engine.post(awaited.set, MessageState.WITHDRAWN)
+
+    def _forget(self, src: int) -> None:
+        """`src` left its world, or died: it answers nothing more (our withdrawals from
+        it succeed) and sends no payload we have not received yet (their receives
+        wait again, to fail at their deadlines or as their peer is gone)."""
+        with self._lock:
+            self._left.add(src)
+            fetches = [key for key in self._fetches if key[0] == src]
+            for key in fetches:
+                request, _ = self._fetches.pop(key)
+                if not self.dead:
+                    try:
+                        request.Cancel()
+                        self._in_flight.append((request, None))  # to complete the cancel
+                    except _mpi_exception() as error:
+                        self._mpi_error(error)
+            self._give_up(src)
+        for key in fetches:
+            self.engine.post(self._arrived, key, None)
+
+    def _give_up(self, dst: int | None) -> None:
+        """Withdrawals waiting for an answer from `dst` (None: anyone) that never comes
+        succeed (under the lock)."""
+        for msg_id, awaited in list(self._waiting.items()):
+            if awaited.withdrawing and dst in (None, awaited.dst):
+                del self._waiting[msg_id]
+                self._held.pop(msg_id, None)
+                self.engine.post(awaited.set, MessageState.WITHDRAWN)
+
     def _acked(self, msg_id: int) -> None:
         with self._lock:
             eager = self._eager.pop(msg_id, None)
@@ -408,9 +555,9 @@ class MPIFabric:
 
     def _waits_for_room(self, dst: int) -> bool:
         """Whether an eager send to `dst` waits for room in the window (under the lock)."""
-        queue = self._for_room[dst]
-        while queue and queue[0][0] not in self._waiting:  # taken or withdrawn meanwhile
-            queue.popleft()
+        queue, waiting = self._for_room[dst], self._waiting
+        while queue and ((awaited := waiting.get(queue[0][0])) is None or awaited.withdrawing):
+            queue.popleft()  # taken or withdrawn meanwhile
         return bool(queue)
 
     def _make_room(self, dst: int) -> list[_Awaited]:
@@ -435,16 +582,26 @@ class MPIFabric:
             if self._in_flight:
                 self._in_flight = [item for item in self._in_flight if not _finished(item[0])]
 
-    def _withdraw(self, dst: int, msg_id: int) -> bool:
-        """Give up on a non-eager send; False if it was acknowledged meanwhile."""
+    def _withdraw(self, awaited: _Awaited) -> bool:
+        """A non-eager send's deadline passed: ask its receiver to drop the message,
+        and wait for the answer (False), which ends the send either way: acknowledged
+        (taken), or agreed (`_answered`). True (the send fails now) only where no
+        answer can come: the receiver left, or a process of the job is gone."""
+        dst, msg_id = awaited.dst, awaited.msg_id
         with self._lock:
-            if self._waiting.pop(msg_id, None) is None:
-                return False
+            if self._waiting.get(msg_id) is not awaited or awaited.withdrawing:
+                return False  # acknowledged meanwhile, or asked already
+            silent = dst in self._left or self.lost is not None or self._said_farewell
+            if silent:
+                del self._waiting[msg_id]
+                self._held.pop(msg_id, None)
+            awaited.withdrawing = True
             done = self._make_room(dst)  # it may have held up others
         for wait in done:
             self.engine.post(wait.set)
-        self._send_obj(msg_id, dst, WITHDRAW)
-        return True
+        if not silent:
+            self._send_obj(msg_id, dst, WITHDRAW)
+        return silent
 
     def _mpi_error(self, error: BaseException) -> None:
         """MPI failed a call or a message (after a peer died, mid-transfer)."""
@@ -516,6 +673,8 @@ class MPIFabric:
         self._closed = True
         self._thread.join(JOIN_LIMIT)
         _open.discard(self)
+        if self._fetches:  # a payload never sent (its receive failed): MPI matches on
+            done = False
         if self.lane is not None and not self.lane.idle:
             # a collective MPI will never finish (a peer gave up on it, or is gone):
             # MPI_Finalize would wait for it
@@ -530,17 +689,19 @@ class MPIFabric:
 
 
 class _Awaited(Wait):
-    """A non-eager send: done when the receiver acknowledges it."""
+    """A non-eager send: done when the receiver acknowledges it, or set with
+    MessageState.WITHDRAWN when the receiver agreed to drop it."""
 
-    __slots__ = ("fabric", "dst", "msg_id")
+    __slots__ = ("fabric", "dst", "msg_id", "withdrawing")
 
     def __init__(self, fabric: MPIFabric, dst: int, msg_id: int, timeout_code: int) -> None:
         super().__init__(timeout_code)
         self.fabric, self.dst, self.msg_id = fabric, dst, msg_id
+        self.withdrawing = False
 
     def expire(self) -> bool:
-        """Withdraw the message unless its acknowledgement is on its way here."""
-        return self.fabric._withdraw(self.dst, self.msg_id)
+        """Ask the receiver to drop the message; the send ends by its answer."""
+        return self.fabric._withdraw(self)
 
 
 class MPIPort:
