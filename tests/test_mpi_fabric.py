@@ -246,6 +246,16 @@ def test_received_messages_leave_nothing_behind(count: int, kib: int, stack: str
     assert len(measures(job)) == 2, job.explain()
 
 
+@pytest.mark.parametrize("suite", ["taken", "pending"])
+def test_a_withdrawal_is_the_receivers_answer(suite: str) -> None:
+    """Step by step on one fabric (tests/mpi/withdrawals.py): a deadline that passes
+    after the receive took the message (its acknowledgement not handled yet) does not
+    fail the send (on main it did, while the receive had the data); one that passes
+    before any receive fails the send only once the receiver has dropped the message,
+    which no receive posted later gets (on main, one could)."""
+    assert_passed(launch(1, "withdrawals.py", suite), 1)
+
+
 @pytest.mark.parametrize(("stack", "backend"), [("rdma", "asyncio"), ("tcp", "trio")])
 def test_a_send_and_its_receive_agree_when_its_deadline_passes(stack: str, backend: str) -> None:
     """Sends that wait for their receive (rendezvous on "rdma"; on "tcp", larger than
