@@ -113,6 +113,11 @@ async def ring(checks: Checks, accl: aaccl.ACCL) -> None:
             settled = rss_mib()
     end = rss_mib()
     measure("ring", messages=n, kib=kib, settled=settled, end=end)
+    fabric = accl._driver.device.port.fabric  # white box: its records per message
+    records = {name: len(getattr(fabric, name)) for name in (
+        "_incoming", "_waiting", "_held", "_fetches", "_asked", "_eager", "_arriving")}
+    if sum(records.values()) > 4:  # the last messages' acknowledgements may be on their way
+        raise AssertionError(f"the fabric keeps records of {n} messages: {records}")
     if end - settled > bound:
         raise AssertionError(f"{n} messages of {kib} KiB took rank {accl.rank} from "
                              f"{settled:.0f} MiB to {end:.0f} MiB")

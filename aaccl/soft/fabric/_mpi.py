@@ -24,8 +24,8 @@ at once, the payload stays with the sender until a receive matches the message,
 and the receiver then asks for it (READY) with its MPI receive already posted. So
 a receiver holds no payload its receives have not asked for. A sender whose
 deadline passes asks the receiver to withdraw its message (WITHDRAW) and waits
-for the answer: WITHDRAWN, or the acknowledgement of a receive that took it (or
-asked for it) first; sender and receiver never disagree.
+for the answer: WITHDRAWN, or the acknowledgement of a receive that took it
+first; sender and receiver never disagree.
 
 A process of the job may die at any moment (killed, out of memory). Nothing here
 waits on one peer inside MPI: payloads are received with nonblocking receives that
@@ -477,9 +477,9 @@ class MPIFabric:
             self._answer(*key)
 
     def _answer(self, src: int, msg_id: int) -> None:
-        """`src` asks to withdraw message `msg_id` (engine context): agree unless a
-        receive took it (then its acknowledgement is on its way, or comes once its
-        payload is here), and say so."""
+        """`src` asks to withdraw message `msg_id` (engine context): agree, and say
+        so, unless a receive took it (its acknowledgement is on its way then); for a
+        message whose payload is on its way, once it is here."""
         key = (src, msg_id)
         msg = self._incoming.get(key)
         if msg is None:
