@@ -21,8 +21,10 @@ message above the eager threshold completes when its receive has taken it.
 
 A point-to-point message outside the window moves by rendezvous: the header goes
 at once, the payload stays with the sender until a receive matches the message,
-and the receiver then asks for it (READY) with its MPI receive already posted. So
-a receiver holds no payload its receives have not asked for. A sender whose
+and the receiver then asks for it (READY) with its MPI receive already posted; an
+eager one that acknowledgements make room for meanwhile sends it then (PUSH, then
+the payload). So a receiver holds no payload beyond its rx buffers' share that its
+receives have not asked for. A sender whose
 deadline passes asks the receiver to withdraw its message (WITHDRAW) and waits
 for the answer: WITHDRAWN, or the acknowledgement of a receive that took it
 first; sender and receiver never disagree.
@@ -63,9 +65,10 @@ from ._lane import Lane
 from ._message import Message, MessageState
 
 HEADER, ACK, WITHDRAW = 1, 2, 3
-READY, WITHDRAWN = 0, 1
-"""Answers under ACK besides acknowledgements (a message id): (READY, id) asks the
-sender for a payload, (WITHDRAWN, id) agrees to drop a message."""
+READY, WITHDRAWN, PUSH = 0, 1, 2
+"""Messages under ACK besides acknowledgements (a message id): (READY, id) asks the
+sender for a payload, (WITHDRAWN, id) agrees to drop a message, and (PUSH, id,
+nbytes) says that the payload comes right behind (see `_granted`)."""
 NOTICES = ("leave", "abort")
 """Messages that only tell peers what happened here (see `post`)."""
 PAYLOAD_TAGS = 1 << 20
@@ -125,6 +128,8 @@ class MPIFabric:
         # per destination, eager sends beyond the window, in order: (id, segments)
         self._for_room: list[deque[tuple[int, int]]] = [deque() for _ in range(self.size)]
         self._held: dict[int, np.ndarray] = {}  # payloads the receivers will ask for, by id
+        self._holding = threading.Lock()  # a payload is held once its header is sent
+        self._left_world = False  # our "leave" notice went: no payload goes after it
         self._incoming: dict[tuple[int, int], Message] = {}  # non-eager, by (src, id)
         # payloads asked for, by (src, id): their receives, and withdrawals waiting for them
         self._fetches: dict[tuple[int, int], tuple[Any, np.ndarray]] = {}
@@ -189,13 +194,20 @@ class MPIFabric:
         inline = 0 < nbytes <= INLINE_BYTES and not pull
         header = (msg_id, msg.key, msg.seq, msg.tag, eager, msg.tombstone, nbytes, inline,
                   msg.fp, msg.notice)
+        if msg.key[0] == "leave":  # the receivers forget what they asked us for
+            with self._holding:
+                self._left_world = True
+                self._send_obj(header, dst, HEADER)
+            return None
         if inline:  # one message: the header, then a snapshot of the payload
             data = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL) + payload.tobytes()
             self._isend([data, len(data), self._byte], dst, HEADER, data)
             return request
         if pull:  # rendezvous: the payload stays here until the receiver asks for it
-            self._held[msg_id] = payload.copy() if queued else payload
-            self._send_obj(header, dst, HEADER)
+            held = payload.copy() if queued else payload
+            with self._holding:  # (`_granted` may push it at once: after the header)
+                self._send_obj(header, dst, HEADER)
+                self._held[msg_id] = held
             return request
         self._send_obj(header, dst, HEADER)
         if nbytes:
@@ -351,6 +363,8 @@ class MPIFabric:
         src, tag = status.Get_source(), status.Get_tag()
         data = bytearray(status.Get_count(self._byte))
         message.Recv([data, self._byte])
+        if tag >= PAYLOAD_TAGS:  # a payload nobody waits for any more (see `_forget`)
+            return
         obj = pickle.loads(data)
         if obj is None:  # the peer closes: nothing more comes from it under this tag
             self._farewells += 1
@@ -361,6 +375,8 @@ class MPIFabric:
                 self._acked(obj)
             elif obj[0] == READY:
                 self._ready(src, obj[1])
+            elif obj[0] == PUSH:
+                self._receive_payload(src, obj[1], obj[2])
             else:
                 self._answered(obj[1])
         elif tag == WITHDRAW:  # handled after the message it withdraws
@@ -430,22 +446,33 @@ class MPIFabric:
     # -- rendezvous: a payload moves once a receive matches its message --------------
 
     def _fetch(self, src: int, msg_id: int) -> None:
-        """A receive matched message `msg_id` from `src` (engine context): receive its
-        payload into memory of our own, and ask the sender for it (once)."""
+        """A receive matched message `msg_id` from `src` (engine context): ask the
+        sender for its payload, unless it comes already."""
+        msg = self._incoming.get((src, msg_id))
+        if msg is None or src in self._left or self.dead:
+            return  # it never comes: its receive fails at its deadline
+        if self._receive_payload(src, msg_id, msg.nbytes):
+            self._send_obj((READY, msg_id), src, ACK)  # after the receive is posted
+
+    def _receive_payload(self, src: int, msg_id: int, nbytes: int) -> bool:
+        """Post the receive of a rendezvous payload into memory of our own, once
+        (a receive matched its message, or the sender pushes it); False if it was
+        posted already, or has come (the sender sends it once: for our READY or
+        with its PUSH, whichever it has first)."""
         key = (src, msg_id)
-        msg = self._incoming.get(key)
-        if key in self._fetches or msg is None or src in self._left or self.dead:
-            return  # asked already, or it never comes (its receive fails at its deadline)
-        payload = np.empty(msg.nbytes, np.uint8)
-        try:
-            request = self.comm.Irecv([payload, msg.nbytes, self._byte], src,
-                                      _payload_tag(msg_id))
-        except _mpi_exception() as error:
-            self._mpi_error(error)
-            return
+        payload = np.empty(nbytes, np.uint8)
         with self._lock:
+            msg = self._incoming.get(key)
+            if key in self._fetches or msg is None or msg.fetch is None:
+                return False
+            try:
+                request = self.comm.Irecv([payload, nbytes, self._byte], src,
+                                          _payload_tag(msg_id))
+            except _mpi_exception() as error:
+                self._mpi_error(error)
+                return False
             self._fetches[key] = (request, payload)
-        self._send_obj((READY, msg_id), src, ACK)  # after the receive is posted
+        return True
 
     def _fetched(self) -> None:
         """Hand the payloads that came to their messages (`_arrived`, in engine context)."""
@@ -453,13 +480,13 @@ class MPIFabric:
             fetches = list(self._fetches.items())
         for key, (request, payload) in fetches:
             try:
-                if not request.Test():
-                    continue
+                if request is None or not request.Test():
+                    continue  # handed over already, or still coming
             except _mpi_exception() as error:  # its sender died: it never comes
                 self._mpi_error(error)
                 payload = None
-            with self._lock:
-                del self._fetches[key]
+            with self._lock:  # kept until handed over: nothing asks for it again
+                self._fetches[key] = (None, payload)
             self.engine.post(self._arrived, key, payload)
 
     def _arrived(self, key: tuple[int, int], payload: np.ndarray | None) -> None:
@@ -468,12 +495,13 @@ class MPIFabric:
         msg = self._incoming.get(key)
         asked = key in self._asked
         self._asked.discard(key)
-        if msg is None:
-            return
-        if payload is None:  # as if withdrawn: its receive waits again, to fail in time
-            payload, asked = np.empty(0, np.uint8), True
-        self.inbox.fetched(msg, payload, hand_over=not asked)
-        if asked:
+        if msg is not None:
+            if payload is None:  # as if withdrawn: its receive waits again, to fail in time
+                payload, asked = np.empty(0, np.uint8), True
+            self.inbox.fetched(msg, payload, hand_over=not asked)  # (no fetch from now on)
+        with self._lock:
+            self._fetches.pop(key, None)
+        if asked and msg is not None:
             self._answer(*key)
 
     def _answer(self, src: int, msg_id: int) -> None:
@@ -495,10 +523,11 @@ class MPIFabric:
     def _ready(self, dst: int, msg_id: int) -> None:
         """The receiver asks for a payload: send it, even if we asked to withdraw the
         message meanwhile (the receiver decides: it did not agree)."""
-        payload = self._held.pop(msg_id, None)
-        if payload is not None:
-            self._isend([payload, payload.nbytes, self._byte], dst, _payload_tag(msg_id),
-                        payload)
+        with self._holding:
+            payload = None if self._left_world else self._held.pop(msg_id, None)
+            if payload is not None:
+                self._isend([payload, payload.nbytes, self._byte], dst, _payload_tag(msg_id),
+                            payload)
 
     def _answered(self, msg_id: int) -> None:
         """The receiver agreed to drop a message: its send fails."""
@@ -506,8 +535,7 @@ class MPIFabric:
             awaited = self._waiting.pop(msg_id, None)
             self._held.pop(msg_id, None)
             done = [] if awaited is None else self._make_room(awaited.dst)
-        for wait in done:
-            self.engine.post(wait.set)
+        self._granted(done)
         if awaited is not None:
             self.engine.post(awaited.set, MessageState.WITHDRAWN)
 
@@ -517,18 +545,35 @@ class MPIFabric:
         wait again, to fail at their deadlines or as their peer is gone)."""
         with self._lock:
             self._left.add(src)
-            fetches = [key for key in self._fetches if key[0] == src]
+            # (one that came already is handed over as it is)
+            fetches = [key for key, (request, _) in self._fetches.items()
+                       if key[0] == src and request is not None]
             for key in fetches:
-                request, _ = self._fetches.pop(key)
+                request, payload = self._fetches.pop(key)
                 if not self.dead:
                     try:
-                        request.Cancel()
-                        self._in_flight.append((request, None))  # to complete the cancel
+                        request.Cancel()  # (MPI may still be writing into `payload`)
+                        self._in_flight.append((request, payload))
                     except _mpi_exception() as error:
                         self._mpi_error(error)
             self._give_up(src)
         for key in fetches:
             self.engine.post(self._arrived, key, None)
+
+    def _granted(self, done: list[_Awaited]) -> None:
+        """Sends done: an eager message given room in the window (`_make_room`) whose
+        payload is still here goes now, as its header did, into the room the window
+        keeps for it (PUSH first, so that the receiver posts its receive before the
+        payload comes; or else the receiver asked for it first, and has it)."""
+        for awaited in done:
+            dst, msg_id = awaited.dst, awaited.msg_id
+            with self._holding:  # before the send is done, and before we leave
+                payload = self._held.pop(msg_id, None)
+                if payload is not None:
+                    self._send_obj((PUSH, msg_id, payload.nbytes), dst, ACK)
+                    self._isend([payload, payload.nbytes, self._byte], dst,
+                                _payload_tag(msg_id), payload)
+            self.engine.post(awaited.set)
 
     def _give_up(self, dst: int | None) -> None:
         """Withdrawals waiting for an answer from `dst` (None: anyone) that never comes
@@ -550,8 +595,7 @@ class MPIFabric:
                 done += self._make_room(eager[0])
             elif awaited is not None:  # a send that may have held up others is done
                 done += self._make_room(awaited.dst)
-        for wait in done:
-            self.engine.post(wait.set)
+        self._granted(done)
 
     def _waits_for_room(self, dst: int) -> bool:
         """Whether an eager send to `dst` waits for room in the window (under the lock)."""
@@ -597,8 +641,7 @@ class MPIFabric:
                 self._held.pop(msg_id, None)
             awaited.withdrawing = True
             done = self._make_room(dst)  # it may have held up others
-        for wait in done:
-            self.engine.post(wait.set)
+        self._granted(done)
         if not silent:
             self._send_obj(msg_id, dst, WITHDRAW)
         return silent
