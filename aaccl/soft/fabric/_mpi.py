@@ -132,7 +132,7 @@ class MPIFabric:
         self._left_world = False  # our "leave" notice went: no payload goes after it
         self._incoming: dict[tuple[int, int], Message] = {}  # non-eager, by (src, id)
         # payloads asked for, by (src, id): their receives, and withdrawals waiting for them
-        self._fetches: dict[tuple[int, int], tuple[Any, np.ndarray]] = {}
+        self._fetches: dict[tuple[int, int], tuple[Any, np.ndarray | None]] = {}
         self._asked: set[tuple[int, int]] = set()
         self._left: set[int] = set()  # peers whose "leave" notice came: they answer no more
         # per source, what arrived and waits (behind a payload still coming) to be handled
@@ -151,6 +151,7 @@ class MPIFabric:
         from mpi4py import MPI
 
         self._mpi, self._byte, self._status = MPI, MPI.BYTE, MPI.Status()
+        self._fetch_status = MPI.Status()
         # the world's collectives run as MPI collectives, on a communicator of their own
         self.lane: Lane | None = None
         if self.size > 1 and os.environ.get("AACCL_MPI_COLLECTIVES", "1") != "0":
@@ -301,8 +302,7 @@ class MPIFabric:
                     lane_done = 0 if self.lane is None else self.lane.finished
                     self.engine.post(on_leave, rank, how, lane_done)
         if self.dead:  # MPI is not used any more: no answer comes
-            with self._lock:
-                self._give_up(None)
+            self._give_up(None)
 
     def _drain(self) -> None:
         """Take every message MPI already has, before a collective's end is told: what
@@ -325,8 +325,7 @@ class MPIFabric:
                 time.sleep(IDLE_SLEEP)
                 continue
             if self.lost is not None:  # answers to our withdrawals may never come
-                with self._lock:
-                    self._give_up(None)
+                self._give_up(None)
             self._tasks_gone.clear()
             if time.monotonic() - self._polled_at < SPIN:
                 # a task polls: keep out of its way until it parks (even a nap's wake-up
@@ -460,11 +459,11 @@ class MPIFabric:
         posted already, or has come (the sender sends it once: for our READY or
         with its PUSH, whichever it has first)."""
         key = (src, msg_id)
-        payload = np.empty(nbytes, np.uint8)
         with self._lock:
             msg = self._incoming.get(key)
             if key in self._fetches or msg is None or msg.fetch is None:
                 return False
+            payload = np.empty(nbytes, np.uint8)
             try:
                 request = self.comm.Irecv([payload, nbytes, self._byte], src,
                                           _payload_tag(msg_id))
@@ -478,10 +477,13 @@ class MPIFabric:
         """Hand the payloads that came to their messages (`_arrived`, in engine context)."""
         with self._lock:
             fetches = list(self._fetches.items())
+        status = self._fetch_status
         for key, (request, payload) in fetches:
             try:
-                if request is None or not request.Test():
+                if request is None or not request.Test(status):
                     continue  # handed over already, or still coming
+                if status.Is_cancelled():  # its sender left (`_forget`): it never comes
+                    payload = None
             except _mpi_exception() as error:  # its sender died: it never comes
                 self._mpi_error(error)
                 payload = None
@@ -541,24 +543,26 @@ class MPIFabric:
 
     def _forget(self, src: int) -> None:
         """`src` left its world, or died: it answers nothing more (our withdrawals from
-        it succeed) and sends no payload we have not received yet (their receives
-        wait again, to fail at their deadlines or as their peer is gone)."""
+        it succeed), and of the payloads we asked it for, only those already under
+        way come (the others' receives wait again, to fail as their peer is gone)."""
         with self._lock:
             self._left.add(src)
             # (one that came already is handed over as it is)
-            fetches = [key for key, (request, _) in self._fetches.items()
+            fetches = [(key, request) for key, (request, _) in self._fetches.items()
                        if key[0] == src and request is not None]
-            for key in fetches:
-                request, payload = self._fetches.pop(key)
-                if not self.dead:
+            if self.dead:  # MPI is not used any more
+                for key, _ in fetches:
+                    self._fetches[key] = (None, None)
+            else:  # one under way still comes (`_fetched` tells which)
+                for _, request in fetches:
                     try:
-                        request.Cancel()  # (MPI may still be writing into `payload`)
-                        self._in_flight.append((request, payload))
+                        request.Cancel()
                     except _mpi_exception() as error:
                         self._mpi_error(error)
-            self._give_up(src)
-        for key in fetches:
-            self.engine.post(self._arrived, key, None)
+        self._give_up(src)
+        if self.dead:
+            for key, _ in fetches:
+                self.engine.post(self._arrived, key, None)
 
     def _granted(self, done: list[_Awaited]) -> None:
         """Sends done: an eager message given room in the window (`_make_room`) whose
@@ -577,12 +581,15 @@ class MPIFabric:
 
     def _give_up(self, dst: int | None) -> None:
         """Withdrawals waiting for an answer from `dst` (None: anyone) that never comes
-        succeed (under the lock)."""
-        for msg_id, awaited in list(self._waiting.items()):
-            if awaited.withdrawing and dst in (None, awaited.dst):
-                del self._waiting[msg_id]
-                self._held.pop(msg_id, None)
-                self.engine.post(awaited.set, MessageState.WITHDRAWN)
+        succeed."""
+        with self._lock:
+            given_up = [awaited for awaited in self._waiting.values()
+                        if awaited.withdrawing and dst in (None, awaited.dst)]
+            for awaited in given_up:
+                del self._waiting[awaited.msg_id]
+                self._held.pop(awaited.msg_id, None)
+        for awaited in given_up:  # (an engine event may run here, and post: not locked)
+            self.engine.post(awaited.set, MessageState.WITHDRAWN)
 
     def _acked(self, msg_id: int) -> None:
         with self._lock:
