@@ -240,12 +240,12 @@ async def ring(accls: list[aaccl.ACCL], rounds: int, window: int,
 @pytest.mark.parametrize("nprocs", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_ring_over_mpi_keeps_memory_flat(nprocs: int) -> None:
     """Over MPI the receiver holds its own copy of a payload: it goes with its
-    message (tests/mpi/memory.py: every rank's RSS grows by under 8 MiB)."""
+    message (tests/mpi/matching.py: every rank's RSS grows by under 8 MiB)."""
     pytest.importorskip("mpi4py")
     from test_mpi_fabric import MPIEXEC, assert_passed, launch
     if MPIEXEC is None:
         pytest.skip("no mpiexec (pip install 'aaccl[mpi]')")
-    assert_passed(launch(nprocs, "memory.py", "ring"), nprocs)
+    assert_passed(launch(nprocs, "matching.py", "ring"), nprocs)
 
 
 def queues_bounded(accls: list[aaccl.ACCL]) -> None:

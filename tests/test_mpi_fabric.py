@@ -206,6 +206,69 @@ def test_four_ranks(suite: str) -> None:
     assert_passed(launch(4, "features.py", suite), 4)
 
 
+# -- memory over time, and withdrawals -----------------------------------------------------
+
+def measures(job: Job) -> list[str]:
+    return re.findall(r"aaccl-mpi-measure .*", job.stdout)
+
+
+@pytest.mark.parametrize(("count", "stack", "backend"), [
+    (200, "tcp", "asyncio"), (200, "rdma", "trio"),
+    pytest.param(500, "tcp", "asyncio", marks=pytest.mark.slow),
+], ids=["200-eager", "200-rendezvous-trio", "500-eager"])
+def test_unreceived_large_sends_stay_with_their_sender(count: int, stack: str,
+                                                       backend: str) -> None:
+    """`count` 1 MiB sends posted before any receive (larger than the receiver's 16
+    rx buffers of 1 KiB: eager ones that wait for their receive on "tcp", rendezvous
+    on "rdma"): the receiver's peak RSS grows by less than 50 MiB while it holds every
+    header (on main it held every payload: +206 MiB for 200), and then receives each
+    one exactly, in order."""
+    job = launch(2, "memory.py", "unreceived", f"stack={stack}", f"backend={backend}",
+                 env={"AACCL_TEST_COUNT": str(count), "AACCL_TEST_KIB": "1024",
+                      "AACCL_TEST_BOUND": "50"})
+    assert_passed(job, 2)
+    assert measures(job), job.explain()
+
+
+@pytest.mark.parametrize(("count", "kib", "stack", "backend", "bound"), [
+    (2000, 16, "tcp", "asyncio", 10), (600, 64, "rdma", "trio", 10),
+    pytest.param(4000, 16, "rdma", "asyncio", 12, marks=pytest.mark.slow),
+], ids=["2000x16KiB", "600x64KiB-rendezvous-trio", "4000x16KiB-rendezvous"])
+def test_received_messages_leave_nothing_behind(count: int, kib: int, stack: str,
+                                                backend: str, bound: int) -> None:
+    """A ring of `count` messages of `kib` KiB under five tags: each rank's RSS after
+    the last exceeds its RSS after the first tenth by less than `bound` MiB (on main
+    the receiver kept every payload: +39 MiB for 3000 of 16 KiB)."""
+    job = launch(2, "memory.py", "ring", f"stack={stack}", f"backend={backend}",
+                 env={"AACCL_TEST_COUNT": str(count), "AACCL_TEST_KIB": str(kib),
+                      "AACCL_TEST_BOUND": str(bound)})
+    assert_passed(job, 2)
+    assert len(measures(job)) == 2, job.explain()
+
+
+@pytest.mark.parametrize("suite", ["taken", "pending"])
+def test_a_withdrawal_is_the_receivers_answer(suite: str) -> None:
+    """Step by step on one fabric (tests/mpi/withdrawals.py): a deadline that passes
+    after the receive took the message (its acknowledgement not handled yet) does not
+    fail the send (on main it did, while the receive had the data); one that passes
+    before any receive fails the send only once the receiver has dropped the message,
+    which no receive posted later gets (on main, one could)."""
+    assert_passed(launch(1, "withdrawals.py", suite), 1)
+
+
+@pytest.mark.parametrize(("stack", "backend"), [("rdma", "asyncio"), ("tcp", "trio")])
+def test_a_send_and_its_receive_agree_when_its_deadline_passes(stack: str, backend: str) -> None:
+    """Sends that wait for their receive (rendezvous on "rdma"; on "tcp", larger than
+    the rx buffers), received 0.5 to 1.5 timeouts late: a deadline that passes while
+    the receiver takes the message (its acknowledgement in flight) asks the receiver
+    to drop it, and the receiver refuses, so the send succeeds exactly when its
+    receive got the data, message by message."""
+    job = launch(2, "memory.py", "withdraw", "timeout=0.5", f"stack={stack}",
+                 f"backend={backend}", env={"AACCL_TEST_COUNT": "12"})
+    assert_passed(job, 2)
+    assert measures(job), job.explain()
+
+
 # -- faults -------------------------------------------------------------------------------
 
 DEATH_TIMEOUT = 10.0

@@ -33,7 +33,7 @@ from ._datapath import OPERAND_FLAGS, Datapath
 from ._engine import Timer, Wait
 from ._streams import StreamRead, segments, stream_roles
 from .algorithms import SMALL_ALLREDUCE_COUNT, Copy, Incoming, Local, Send, Step, schedule
-from .fabric import Fingerprint, Key, Message, PostedRecv
+from .fabric import Fingerprint, Key, Message, MessageState, PostedRecv
 from .fabric import _blocks as blocks
 from .fabric._inbox import mismatch
 from .fabric._lane import Lane, Matched, Op, runs_natively, transfer
@@ -345,6 +345,11 @@ class SoftCall:
             self.resume(None, CallFailed(wait.timeout_code, detail))
         # else: a peer is reading our data right now; it finishes without a deadline
 
+    def withdrawn(self, wait: Wait) -> CallFailed:
+        """A send's deadline passed and, over MPI, its receiver has since agreed to drop
+        the message (`MPIFabric._withdraw`): the call fails as at the deadline."""
+        return CallFailed(wait.timeout_code, self._timeout_detail(wait))
+
     def _timeout_detail(self, wait: Wait) -> str:
         if isinstance(wait, StreamRead):
             return f"waited {self.dev.timeout:g} s for {wait.describe()}"
@@ -418,8 +423,8 @@ class SendCall(SoftCall):
             msg.fp = (args.count, path.wire.str, path.dtype.str)
         self.sent = True
         handover = dev.port.post(self.comm.sessions[args.root_src_dst], msg, DEQUEUE_TIMEOUT)
-        if handover is not None:
-            yield handover
+        if handover is not None and (yield handover) is MessageState.WITHDRAWN:
+            raise self.withdrawn(handover)
 
     def peers_waited(self, wait: Wait) -> list[int]:
         if isinstance(wait, StreamRead):
@@ -889,8 +894,9 @@ class ScheduleCall(SoftCall):
                     yield from self._apply((step.a, step.b), step.dst, step.count,
                                            self._combine)
             for sending in self.sending:
-                if not sending.handover.done:
-                    yield sending.handover
+                if not sending.handover.done \
+                        and (yield sending.handover) is MessageState.WITHDRAWN:
+                    raise self.withdrawn(sending.handover)
             if self.res_stream:  # the result goes out as one packet, tag 0
                 dev.streams.emit(self.views[2], 0)
         except BaseException:
@@ -979,8 +985,9 @@ class ScheduleCall(SoftCall):
                       for a, op in zip(arrays, operands)]
             self._release()
             for sending in busy:
-                if not sending.handover.done:
-                    yield sending.handover
+                if not sending.handover.done \
+                        and (yield sending.handover) is MessageState.WITHDRAWN:
+                    raise self.withdrawn(sending.handover)
                 self.sending.remove(sending)
         out = self._local(loc, count)
         if out.nbytes >= OFFLOAD_BYTES:

@@ -49,7 +49,7 @@ def _parse(argv: list[str]) -> dict[str, Any]:
     options: dict[str, Any] = {}
     for arg in argv:
         key, _, value = arg.partition("=")
-        options[key] = value if key in ("backend", "fabric") else float(value) \
+        options[key] = value if key in ("backend", "fabric", "stack") else float(value) \
             if "." in value else int(value)
     return options
 

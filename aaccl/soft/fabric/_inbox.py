@@ -275,7 +275,21 @@ class Inbox:
     @staticmethod
     def _match(recv: PostedRecv, msg: Message) -> None:
         msg.matched = recv
-        recv.set(msg)
+        if msg.fetch is None:
+            recv.set(msg)
+        else:  # (MPI) its payload is still with its sender: the receive gets it once here
+            recv.value = msg
+            msg.fetch()
+
+    def fetched(self, msg: Message, payload: np.ndarray, hand_over: bool = True) -> None:
+        """(MPI) The payload of a message that a receive matched came from its sender:
+        that receive (if it still waits for it) has it now, unless not `hand_over`."""
+        msg.payload, msg.fetch = payload, None
+        recv = msg.matched
+        if recv is not None:
+            recv.value = None
+            if hand_over:
+                recv.set(msg)
 
     # -- point to point -------------------------------------------------------------
 
@@ -294,7 +308,7 @@ class Inbox:
             return
         recv.active = False
         stream = self._stream(key, src)
-        msg: Message | None = recv.value if recv.done else None
+        msg: Message | None = recv.value  # (set before `done` while a payload comes)
         if msg is None:
             stream.cancel(recv)
             return
@@ -422,8 +436,7 @@ class Inbox:
         """The receiver is done with a message: free its rx buffers, tell the sender."""
         if msg.slots and self.rx is not None:
             self.rx.release(msg)
-        msg.payload = None  # (over MPI our own copy: it goes now, whoever still holds msg)
-        msg.state = MessageState.DONE
+        msg.state, msg.payload = MessageState.DONE, None  # nothing of it outlives it
         if msg.consumed is not None:
             msg.consumed.set()
         if msg.on_done is not None:

@@ -60,12 +60,13 @@ class Message:
     """One message: a header and its payload, wherever the payload now lives.
 
     Eager payloads are copied into the receiver's rx buffers (`slots`); others stay
-    where the sender put them (`payload`: its device memory in process, our own copy
-    over MPI) until the receiver is done, which sets `consumed`.
+    where the sender put them (`payload`: its device memory in process; over MPI, the
+    sender's memory until a receive matches, then our own copy, see `fetch`) until
+    the receiver is done, which sets `consumed`.
     """
 
     __slots__ = ("src", "key", "seq", "tag", "nbytes", "payload", "slots", "state", "eager",
-                 "tombstone", "consumed", "matched", "on_taken", "on_done", "fp", "notice")
+                 "tombstone", "consumed", "matched", "on_taken", "on_done", "fetch", "fp", "notice")
 
     def __init__(self, src: int, key: Key, seq: int, tag: int, payload: np.ndarray | None,
                  eager: bool, tombstone: bool = False) -> None:
@@ -80,6 +81,8 @@ class Message:
         self.matched: Any = None  # the PostedRecv it went to, until that receive runs
         self.on_taken: Callable[[], None] | None = None  # MPI: acknowledge a receive
         self.on_done: Callable[[], None] | None = None  # MPI: acknowledge freed rx buffers
+        # MPI: ask the sender for the payload, which stays there until a receive matches
+        self.fetch: Callable[[], None] | None = None
         self.fp: Fingerprint | None = None  # the sending call's, to check against ours
         self.notice: tuple[int, str] | None = None  # an abort notice: (retcode, why)
 

@@ -17,8 +17,17 @@ card: it goes out at once, for a receive to take (acknowledged then: the payload
 is the receiver's own copy), and its send completes when that happens or when
 acknowledgements of earlier messages make room for it in the window, whichever
 comes first; it holds up later eager messages to the same rank meanwhile. A
-message above the eager threshold completes when its receive has taken it. A
-sender that times out withdraws its message.
+message above the eager threshold completes when its receive has taken it.
+
+A point-to-point message outside the window moves by rendezvous: the header goes
+at once, the payload stays with the sender until a receive matches the message,
+and the receiver then asks for it (READY) with its MPI receive already posted; an
+eager one that acknowledgements make room for meanwhile sends it then (PUSH, then
+the payload). So a receiver holds no payload beyond its rx buffers' share that its
+receives have not asked for. A sender whose
+deadline passes asks the receiver to withdraw its message (WITHDRAW) and waits
+for the answer: WITHDRAWN, or the acknowledgement of a receive that took it
+first; sender and receiver never disagree.
 
 A process of the job may die at any moment (killed, out of memory). Nothing here
 waits on one peer inside MPI: payloads are received with nonblocking receives that
@@ -34,6 +43,7 @@ seconds, SIGALRM ends the process.
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import math
 import os
@@ -52,9 +62,13 @@ from ..._errors import Aborted
 from .._engine import Engine, Wait
 from ._inbox import Inbox
 from ._lane import Lane
-from ._message import Message
+from ._message import Message, MessageState
 
 HEADER, ACK, WITHDRAW = 1, 2, 3
+READY, WITHDRAWN, PUSH = 0, 1, 2
+"""Messages under ACK besides acknowledgements (a message id): (READY, id) asks the
+sender for a payload, (WITHDRAWN, id) agrees to drop a message, and (PUSH, id,
+nbytes) says that the payload comes right behind (see `_granted`)."""
 NOTICES = ("leave", "abort", "fp")
 """Messages that only tell peers what happened here (see `post`)."""
 PAYLOAD_TAGS = 1 << 20
@@ -113,7 +127,14 @@ class MPIFabric:
         self._waiting: dict[int, _Awaited] = {}  # non-eager sends awaiting ack, by id
         # per destination, eager sends beyond the window, in order: (id, segments)
         self._for_room: list[deque[tuple[int, int]]] = [deque() for _ in range(self.size)]
+        self._held: dict[int, np.ndarray] = {}  # payloads the receivers will ask for, by id
+        self._holding = threading.Lock()  # a payload is held once its header is sent
+        self._left_world = False  # our "leave" notice went: no payload goes after it
         self._incoming: dict[tuple[int, int], Message] = {}  # non-eager, by (src, id)
+        # payloads asked for, by (src, id): their receives, and withdrawals waiting for them
+        self._fetches: dict[tuple[int, int], tuple[Any, np.ndarray | None]] = {}
+        self._asked: set[tuple[int, int]] = set()
+        self._left: set[int] = set()  # peers whose "leave" notice came: they answer no more
         # per source, what arrived and waits (behind a payload still coming) to be handled
         self._arriving: dict[int, deque[tuple[Any, Callable[..., Any], tuple[Any, ...]]]] = {}
         self.lost: str | None = None  # why a peer is known to be gone, if one is
@@ -130,6 +151,7 @@ class MPIFabric:
         from mpi4py import MPI
 
         self._mpi, self._byte, self._status = MPI, MPI.BYTE, MPI.Status()
+        self._fetch_status = MPI.Status()
         # the world's collectives run as MPI collectives, on a communicator of their own
         self.lane: Lane | None = None
         if self.size > 1 and os.environ.get("AACCL_MPI_COLLECTIVES", "1") != "0":
@@ -155,7 +177,7 @@ class MPIFabric:
         payload = msg.payload
         nbytes = 0 if payload is None else payload.nbytes
         segments = -(-nbytes // self.bufsize)
-        queued = False  # an eager message waiting for room in the window
+        queued = pull = False  # an eager message waiting for room in the window
         with self._lock:
             msg_id = next(self._ids)
             eager = msg.eager and not msg.tombstone and not self._waits_for_room(dst) \
@@ -169,12 +191,24 @@ class MPIFabric:
                 if msg.eager:
                     self._for_room[dst].append((msg_id, segments))
                     queued = segments <= self.window  # may complete before MPI read it
-        inline = 0 < nbytes <= INLINE_BYTES
+                pull = nbytes > 0 and msg.key[0] == "p2p"
+        inline = 0 < nbytes <= INLINE_BYTES and not pull
         header = (msg_id, msg.key, msg.seq, msg.tag, eager, msg.tombstone, nbytes, inline,
                   msg.fp, msg.notice)
+        if msg.key[0] == "leave":  # the receivers forget what they asked us for
+            with self._holding:
+                self._left_world = True
+                self._send_obj(header, dst, HEADER)
+            return None
         if inline:  # one message: the header, then a snapshot of the payload
             data = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL) + payload.tobytes()
             self._isend([data, len(data), self._byte], dst, HEADER, data)
+            return request
+        if pull:  # rendezvous: the payload stays here until the receiver asks for it
+            held = payload.copy() if queued else payload
+            with self._holding:  # (`_granted` may push it at once: after the header)
+                self._send_obj(header, dst, HEADER)
+                self._held[msg_id] = held
             return request
         self._send_obj(header, dst, HEADER)
         if nbytes:
@@ -235,6 +269,8 @@ class MPIFabric:
                 self._take(message, status)
             if self._arriving:
                 self._arrivals()
+            if self._fetches:
+                self._fetched()
             lane = self.lane is not None and self.lane.poll(self._drain)
         except MPI.Exception as error:  # a peer died mid-message: that one is lost
             self._mpi_error(error)
@@ -260,10 +296,13 @@ class MPIFabric:
                 if rank == self.rank or rank in self.dead or not 0 <= rank < self.size:
                     continue
                 self.dead[rank] = how
+                self._forget(rank)
                 on_leave = self.inbox.on_leave
                 if on_leave is not None:
                     lane_done = 0 if self.lane is None else self.lane.finished
                     self.engine.post(on_leave, rank, how, lane_done)
+        if self.dead:  # MPI is not used any more: no answer comes
+            self._give_up(None)
 
     def _drain(self) -> None:
         """Take every message MPI already has, before a collective's end is told: what
@@ -285,6 +324,8 @@ class MPIFabric:
             if self.dead:  # nothing to poll any more (see `_bury`)
                 time.sleep(IDLE_SLEEP)
                 continue
+            if self.lost is not None:  # answers to our withdrawals may never come
+                self._give_up(None)
             self._tasks_gone.clear()
             if time.monotonic() - self._polled_at < SPIN:
                 # a task polls: keep out of its way until it parks (even a nap's wake-up
@@ -301,7 +342,7 @@ class MPIFabric:
                     # sleep, even of 0 s, lasts the kernel's timer slack: 50 us)
                     last = time.monotonic()
                     os.sched_yield()
-                elif self._arriving:  # payloads on their way: poll on, letting threads run
+                elif self._arriving or self._fetches:  # payloads on their way: poll on
                     last = time.monotonic()
                     time.sleep(0)
                 else:
@@ -321,34 +362,43 @@ class MPIFabric:
         src, tag = status.Get_source(), status.Get_tag()
         data = bytearray(status.Get_count(self._byte))
         message.Recv([data, self._byte])
+        if tag >= PAYLOAD_TAGS:  # a payload nobody waits for any more (see `_forget`)
+            return
         obj = pickle.loads(data)
         if obj is None:  # the peer closes: nothing more comes from it under this tag
             self._farewells += 1
         elif tag == HEADER:
             self._receive(src, data, *obj)
         elif tag == ACK:
-            self._acked(obj)
+            if type(obj) is int:
+                self._acked(obj)
+            elif obj[0] == READY:
+                self._ready(src, obj[1])
+            elif obj[0] == PUSH:
+                self._receive_payload(src, obj[1], obj[2])
+            else:
+                self._answered(obj[1])
         elif tag == WITHDRAW:  # handled after the message it withdraws
-            self._arrive(src, None, self._withdrawn, src, obj)
-
-    def _withdrawn(self, src: int, msg_id: int) -> None:
-        msg = self._incoming.pop((src, msg_id), None)
-        if msg is not None:
-            self.engine.post(self.inbox.withdraw, msg)
+            self._arrive(src, None, self.engine.post, self._answer, src, obj)
 
     def _receive(self, src: int, data: bytearray, msg_id: int, key: Any, seq: int, tag: int,
                  eager: bool, tombstone: bool, nbytes: int, inline: bool, fp: Any = None,
                  notice: tuple[int, str] | None = None) -> None:
         """A header (in `data`, maybe followed by its payload) has come from `src`."""
         payload, request = None, None
+        pull = nbytes > 0 and not eager and not inline and key[0] == "p2p"
         if inline:  # the payload is the message's tail
             payload = np.frombuffer(data, np.uint8, nbytes, len(data) - nbytes)
-        elif not tombstone:
+        elif not tombstone and not pull:
             payload = np.empty(nbytes, np.uint8)
             if nbytes:  # never a blocking receive: the sender may die before it is done
                 request = self.comm.Irecv([payload, nbytes, self._byte], src, _payload_tag(msg_id))
+        if key[0] == "leave":  # it answers no more, nor sends the payloads asked for
+            self._forget(src)
         msg = Message(src, key, seq, tag, payload, eager, tombstone)
         msg.fp, msg.notice = fp, notice
+        if pull:  # the sender keeps the payload until a receive matches (`_fetch`)
+            msg.nbytes, msg.fetch = nbytes, functools.partial(self._fetch, src, msg_id)
         if not tombstone and (nbytes or not eager):  # the sender waits for our ack
 
             def acknowledge() -> None:
@@ -392,6 +442,155 @@ class MPIFabric:
             if not queue:
                 del self._arriving[src]
 
+    # -- rendezvous: a payload moves once a receive matches its message --------------
+
+    def _fetch(self, src: int, msg_id: int) -> None:
+        """A receive matched message `msg_id` from `src` (engine context): ask the
+        sender for its payload, unless it comes already."""
+        msg = self._incoming.get((src, msg_id))
+        if msg is None or src in self._left or self.dead:
+            return  # it never comes: its receive fails at its deadline
+        if self._receive_payload(src, msg_id, msg.nbytes):
+            self._send_obj((READY, msg_id), src, ACK)  # after the receive is posted
+
+    def _receive_payload(self, src: int, msg_id: int, nbytes: int) -> bool:
+        """Post the receive of a rendezvous payload into memory of our own, once
+        (a receive matched its message, or the sender pushes it); False if it was
+        posted already, or has come (the sender sends it once: for our READY or
+        with its PUSH, whichever it has first)."""
+        key = (src, msg_id)
+        with self._lock:
+            msg = self._incoming.get(key)
+            if key in self._fetches or msg is None or msg.fetch is None:
+                return False
+            payload = np.empty(nbytes, np.uint8)
+            try:
+                request = self.comm.Irecv([payload, nbytes, self._byte], src,
+                                          _payload_tag(msg_id))
+            except _mpi_exception() as error:
+                self._mpi_error(error)
+                return False
+            self._fetches[key] = (request, payload)
+        return True
+
+    def _fetched(self) -> None:
+        """Hand the payloads that came to their messages (`_arrived`, in engine context)."""
+        with self._lock:
+            fetches = list(self._fetches.items())
+        status = self._fetch_status
+        for key, (request, payload) in fetches:
+            try:
+                if request is None or not request.Test(status):
+                    continue  # handed over already, or still coming
+                if status.Is_cancelled():  # its sender left (`_forget`): it never comes
+                    payload = None
+            except _mpi_exception() as error:  # its sender died: it never comes
+                self._mpi_error(error)
+                payload = None
+            with self._lock:  # kept until handed over: nothing asks for it again
+                self._fetches[key] = (None, payload)
+            self.engine.post(self._arrived, key, payload)
+
+    def _arrived(self, key: tuple[int, int], payload: np.ndarray | None) -> None:
+        """A payload asked for came (None: it never will): its receive has it, unless
+        the sender asked meanwhile to withdraw the message (then it is decided now)."""
+        msg = self._incoming.get(key)
+        asked = key in self._asked
+        self._asked.discard(key)
+        if msg is not None:
+            if payload is None:  # as if withdrawn: its receive waits again, to fail in time
+                payload, asked = np.empty(0, np.uint8), True
+            self.inbox.fetched(msg, payload, hand_over=not asked)  # (no fetch from now on)
+        with self._lock:
+            self._fetches.pop(key, None)
+        if asked and msg is not None:
+            self._answer(*key)
+
+    def _answer(self, src: int, msg_id: int) -> None:
+        """`src` asks to withdraw message `msg_id` (engine context): agree, and say
+        so, unless a receive took it (its acknowledgement is on its way then); for a
+        message whose payload is on its way, once it is here."""
+        key = (src, msg_id)
+        msg = self._incoming.get(key)
+        if msg is None:
+            return  # taken: acknowledged already
+        if key in self._fetches:
+            self._asked.add(key)  # decided once the payload is here (`_arrived`)
+            return
+        if self.inbox.withdraw(msg) or msg.state is MessageState.WITHDRAWN:
+            del self._incoming[key]
+            msg.payload = None
+            self._send_obj((WITHDRAWN, msg_id), src, ACK)
+
+    def _ready(self, dst: int, msg_id: int) -> None:
+        """The receiver asks for a payload: send it, even if we asked to withdraw the
+        message meanwhile (the receiver decides: it did not agree)."""
+        with self._holding:
+            payload = None if self._left_world else self._held.pop(msg_id, None)
+            if payload is not None:
+                self._isend([payload, payload.nbytes, self._byte], dst, _payload_tag(msg_id),
+                            payload)
+
+    def _answered(self, msg_id: int) -> None:
+        """The receiver agreed to drop a message: its send fails."""
+        with self._lock:
+            awaited = self._waiting.pop(msg_id, None)
+            self._held.pop(msg_id, None)
+            done = [] if awaited is None else self._make_room(awaited.dst)
+        self._granted(done)
+        if awaited is not None:
+            self.engine.post(awaited.set, MessageState.WITHDRAWN)
+
+    def _forget(self, src: int) -> None:
+        """`src` left its world, or died: it answers nothing more (our withdrawals from
+        it succeed), and of the payloads we asked it for, only those already under
+        way come (the others' receives wait again, to fail as their peer is gone)."""
+        with self._lock:
+            self._left.add(src)
+            # (one that came already is handed over as it is)
+            fetches = [(key, request) for key, (request, _) in self._fetches.items()
+                       if key[0] == src and request is not None]
+            if self.dead:  # MPI is not used any more
+                for key, _ in fetches:
+                    self._fetches[key] = (None, None)
+            else:  # one under way still comes (`_fetched` tells which)
+                for _, request in fetches:
+                    try:
+                        request.Cancel()
+                    except _mpi_exception() as error:
+                        self._mpi_error(error)
+        self._give_up(src)
+        if self.dead:
+            for key, _ in fetches:
+                self.engine.post(self._arrived, key, None)
+
+    def _granted(self, done: list[_Awaited]) -> None:
+        """Sends done: an eager message given room in the window (`_make_room`) whose
+        payload is still here goes now, as its header did, into the room the window
+        keeps for it (PUSH first, so that the receiver posts its receive before the
+        payload comes; or else the receiver asked for it first, and has it)."""
+        for awaited in done:
+            dst, msg_id = awaited.dst, awaited.msg_id
+            with self._holding:  # before the send is done, and before we leave
+                payload = self._held.pop(msg_id, None)
+                if payload is not None:
+                    self._send_obj((PUSH, msg_id, payload.nbytes), dst, ACK)
+                    self._isend([payload, payload.nbytes, self._byte], dst,
+                                _payload_tag(msg_id), payload)
+            self.engine.post(awaited.set)
+
+    def _give_up(self, dst: int | None) -> None:
+        """Withdrawals waiting for an answer from `dst` (None: anyone) that never comes
+        succeed."""
+        with self._lock:
+            given_up = [awaited for awaited in self._waiting.values()
+                        if awaited.withdrawing and dst in (None, awaited.dst)]
+            for awaited in given_up:
+                del self._waiting[awaited.msg_id]
+                self._held.pop(awaited.msg_id, None)
+        for awaited in given_up:  # (an engine event may run here, and post: not locked)
+            self.engine.post(awaited.set, MessageState.WITHDRAWN)
+
     def _acked(self, msg_id: int) -> None:
         with self._lock:
             eager = self._eager.pop(msg_id, None)
@@ -403,14 +602,13 @@ class MPIFabric:
                 done += self._make_room(eager[0])
             elif awaited is not None:  # a send that may have held up others is done
                 done += self._make_room(awaited.dst)
-        for wait in done:
-            self.engine.post(wait.set)
+        self._granted(done)
 
     def _waits_for_room(self, dst: int) -> bool:
         """Whether an eager send to `dst` waits for room in the window (under the lock)."""
-        queue = self._for_room[dst]
-        while queue and queue[0][0] not in self._waiting:  # taken or withdrawn meanwhile
-            queue.popleft()
+        queue, waiting = self._for_room[dst], self._waiting
+        while queue and ((awaited := waiting.get(queue[0][0])) is None or awaited.withdrawing):
+            queue.popleft()  # taken or withdrawn meanwhile
         return bool(queue)
 
     def _make_room(self, dst: int) -> list[_Awaited]:
@@ -435,16 +633,25 @@ class MPIFabric:
             if self._in_flight:
                 self._in_flight = [item for item in self._in_flight if not _finished(item[0])]
 
-    def _withdraw(self, dst: int, msg_id: int) -> bool:
-        """Give up on a non-eager send; False if it was acknowledged meanwhile."""
+    def _withdraw(self, awaited: _Awaited) -> bool:
+        """A non-eager send's deadline passed: ask its receiver to drop the message,
+        and wait for the answer (False), which ends the send either way: acknowledged
+        (taken), or agreed (`_answered`). True (the send fails now) only where no
+        answer can come: the receiver left, or a process of the job is gone."""
+        dst, msg_id = awaited.dst, awaited.msg_id
         with self._lock:
-            if self._waiting.pop(msg_id, None) is None:
-                return False
+            if self._waiting.get(msg_id) is not awaited or awaited.withdrawing:
+                return False  # acknowledged meanwhile, or asked already
+            silent = dst in self._left or self.lost is not None or self._said_farewell
+            if silent:
+                del self._waiting[msg_id]
+                self._held.pop(msg_id, None)
+            awaited.withdrawing = True
             done = self._make_room(dst)  # it may have held up others
-        for wait in done:
-            self.engine.post(wait.set)
-        self._send_obj(msg_id, dst, WITHDRAW)
-        return True
+        self._granted(done)
+        if not silent:
+            self._send_obj(msg_id, dst, WITHDRAW)
+        return silent
 
     def _mpi_error(self, error: BaseException) -> None:
         """MPI failed a call or a message (after a peer died, mid-transfer)."""
@@ -516,6 +723,8 @@ class MPIFabric:
         self._closed = True
         self._thread.join(JOIN_LIMIT)
         _open.discard(self)
+        if self._fetches:  # a payload never sent (its receive failed): MPI matches on
+            done = False
         if self.lane is not None and not self.lane.idle:
             # a collective MPI will never finish (a peer gave up on it, or is gone):
             # MPI_Finalize would wait for it
@@ -530,17 +739,19 @@ class MPIFabric:
 
 
 class _Awaited(Wait):
-    """A non-eager send: done when the receiver acknowledges it."""
+    """A non-eager send: done when the receiver acknowledges it, or set with
+    MessageState.WITHDRAWN when the receiver agreed to drop it."""
 
-    __slots__ = ("fabric", "dst", "msg_id")
+    __slots__ = ("fabric", "dst", "msg_id", "withdrawing")
 
     def __init__(self, fabric: MPIFabric, dst: int, msg_id: int, timeout_code: int) -> None:
         super().__init__(timeout_code)
         self.fabric, self.dst, self.msg_id = fabric, dst, msg_id
+        self.withdrawing = False
 
     def expire(self) -> bool:
-        """Withdraw the message unless its acknowledgement is on its way here."""
-        return self.fabric._withdraw(self.dst, self.msg_id)
+        """Ask the receiver to drop the message; the send ends by its answer."""
+        return self.fabric._withdraw(self)
 
 
 class MPIPort:
