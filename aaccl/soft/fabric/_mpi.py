@@ -94,6 +94,8 @@ EXIT_GRACE = 5
 """Seconds a process whose world lost a peer may take to exit, MPI_Finalize included."""
 
 _open: weakref.WeakSet[MPIFabric] = weakref.WeakSet()
+_closing = threading.Condition()  # notified as each `close` under way ends
+_closes = 0  # how many are under way (on any thread)
 _ended: str | None = None
 _dead: dict[int, str] = {}
 
@@ -521,6 +523,17 @@ class MPIFabric:
         is left in flight for it. A message still in flight when the communicator is
         freed would otherwise be received by the process's next world, as MPI reuses
         a freed communicator's context for the next one."""
+        global _closes
+        with _closing:
+            _closes += 1
+        try:
+            self._close(timeout)
+        finally:
+            with _closing:
+                _closes -= 1
+                _closing.notify_all()
+
+    def _close(self, timeout: float | None) -> None:
         from mpi4py import MPI
 
         done = False
@@ -651,10 +664,13 @@ def _at_exit() -> None:
     killed by a signal for a crash: it SIGKILLs the ranks still exiting, and reports
     the job's status as the bitwise OR of theirs (SIGINT 2 | SIGKILL 9 = 11, which it
     prints as "Segmentation fault (signal 11)"). So such a rank runs the remaining
-    atexit functions, finalizes MPI and exits with status 130 (128 + SIGINT) instead:
-    every rank then exits normally, and the job with 130."""
+    atexit functions, finalizes MPI and exits with status 130 (128 + SIGINT) instead.
+    (After a Ctrl-C hydra still SIGKILLs the ranks still running once one exits: the
+    job's status is 130 if every rank got out first, else 9.)"""
     for fabric in list(_open):
-        fabric._stop()
+        fabric._stop()  # (a `close` under way on another thread stops waiting too)
+    with _closing:  # and none frees its communicators while MPI is finalized
+        _closing.wait_for(lambda: _closes == 0, JOIN_LIMIT)
     error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
     MPI = sys.modules.get("mpi4py.MPI")
     if not isinstance(error, KeyboardInterrupt) or MPI is None \
@@ -662,7 +678,9 @@ def _at_exit() -> None:
             or not MPI.Is_initialized() or MPI.Is_finalized():
         return
     atexit.unregister(_at_exit)
-    atexit._run_exitfuncs()  # the rest, in their order (including `_arm_exit_alarm`)
+    # the others, in their order (`_exit_last` made this one run first: only those
+    # registered since the last world opened, such as `_arm_exit_alarm`, run again)
+    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
