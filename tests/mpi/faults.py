@@ -106,7 +106,7 @@ async def late(checks: Checks, accl: aaccl.ACCL) -> int:
     np.testing.assert_array_equal(dst, sum(range(accl.size)))
     checks()
     if accl.rank == accl.size - 1:
-        time.sleep(LATE)  # its own code (blocking, as a computation would be)
+        time.sleep(LATE)  # noqa: ASYNC251 - its own code, blocking as a computation is
     return accl.rank
 
 
