@@ -20,7 +20,7 @@ import pytest
 
 from .._errors import Aborted, ACCLError, DependencyError
 from ..api import ACCL, open_world
-from ..api._world import gather_every_rank
+from ..api._world import gather_every_rank, peers_missing
 from ._plan import Plan
 from ._report import ABORTED, CANCELLED, FAILED, LOST, PASSED, SKIPPED, Outcome, one_line, where
 
@@ -175,8 +175,7 @@ async def _gather(mine: Outcome, accl: ACCL, size: int, timeout: float) -> list[
         return (f"a process of the job ended: {ended}" if ended else
                 f"did not finish within {timeout} s of rank {mine.rank}")
 
-    fabric = getattr(getattr(accl._driver.device, "port", None), "fabric", None)
-    missing = getattr(fabric, "missing", None)
+    missing = peers_missing(accl)
     try:
         every = await gather_every_rank(mine, None if missing else timeout, why_not, missing)
     except ACCLError as exc:
