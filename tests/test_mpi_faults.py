@@ -338,3 +338,25 @@ def test_a_rank_whose_own_code_finishes_late_does_not_fail_the_job(launcher: str
     assert len(re.findall(r"aaccl-mpi-ok suite=late rank=\d size=3 checks=1", job.stdout)) == 3, \
         explain
     assert took >= 5, explain  # (the late rank's own 5 s)
+
+
+def test_a_late_rank_killed_while_the_others_wait_to_leave_fails_them_at_once() -> None:
+    """The late rank's process is killed 1 s into its own code, while the others wait
+    for it to leave (timeout=1, which does not bound that wait): they fail at once,
+    and the job ends with its status."""
+    suite = [str(ROOT / "tests" / "mpi" / "faults.py"), "late", "timeout=1.0"]
+    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OPENBLAS_NUM_THREADS": "1",
+           "AACCL_TEST_LATE_DIES": "1"}
+    started = time.monotonic()
+    job = subprocess.run([sys.executable, "-m", "aaccl", "launch", "-n", "3", *suite],
+                         check=False, capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=90, start_new_session=True, stdin=subprocess.DEVNULL)
+    took = time.monotonic() - started
+    explain = f"\nexit {job.returncode} after {took:.1f} s\n{job.stdout}\n{job.stderr[-3000:]}"
+    assert job.returncode == 128 + signal.SIGKILL, explain
+    for rank in (0, 1):
+        # (named by its pid's end, or by the launcher's word, whichever came first)
+        assert re.search(rf"rank {rank} cannot gather every rank's result: (.*rank 2|a "
+                         "process of this MPI job ended)", job.stdout + job.stderr), explain
+    assert took < 15, explain  # (start-up, 1 s of the late rank's code, then at once)

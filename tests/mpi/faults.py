@@ -11,7 +11,8 @@ Suites (all but `late` end with a non-zero exit status on purpose):
   quit      rank 1's code raises in the middle of the sequence; the others time out.
   late      the last rank's own code runs LATE seconds longer than the others' (after
             its last call): leaving waits for it, whatever the timeout, and the job
-            succeeds.
+            succeeds; with $AACCL_TEST_LATE_DIES, its process is SIGKILLed there, and
+            the others fail at once.
 
 Every rank whose call fails prints one FAULT_MARK line (which call, after how long,
 the error) before the harness reports the failure and exits 1.
@@ -106,6 +107,10 @@ async def late(checks: Checks, accl: aaccl.ACCL) -> int:
     np.testing.assert_array_equal(dst, sum(range(accl.size)))
     checks()
     if accl.rank == accl.size - 1:
+        if os.environ.get("AACCL_TEST_LATE_DIES"):  # ... and its process is killed there
+            time.sleep(1)  # noqa: ASYNC251 - its own code, while the others wait to leave
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(LATE)  # noqa: ASYNC251 - its own code, blocking as a computation is
     return accl.rank
 
