@@ -374,6 +374,7 @@ async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: 
             raise ValueError(f"world_size={world_size}, but this MPI job has {size} processes")
         check_buffers(nbufs, bufsize, size)
         fabric = MPIFabric(MPI.COMM_WORLD, nbufs, bufsize)
+        wait: float | None = timeout  # for the peers, on closing (see below)
         try:
             dev = SoftDevice(fabric.rank, fabric.port(fabric.rank), in_order=in_order)
             accl = await _open(dev, fabric.rank, _ranks(size, bufsize), nbufs, bufsize, timeout,
@@ -389,12 +390,14 @@ async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: 
                 with anyio.CancelScope(shield=True):
                     await accl._settle()  # what it sent may still be needed
                 accl._depart("its program returned and its world closed")
+                wait = None  # the peers' own code may take any time: wait while they live
             finally:
                 with anyio.CancelScope(shield=True):
                     await accl.aclose()
         finally:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(fabric.close)  # however long peers take
+                # a world left by an error or Ctrl-C waits for its peers up to the timeout
+                await anyio.to_thread.run_sync(fabric.close, wait)
     finally:
         stop_listening()
 
