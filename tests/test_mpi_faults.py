@@ -219,3 +219,144 @@ def test_repeated_kills_never_hang_nor_leave_processes(worker: Path) -> None:
             assert_survivors_reported(trial)
         except AssertionError as failure:
             raise AssertionError(f"{failure}{where}") from None
+
+
+# -- leaving: Ctrl-C, late finishers -------------------------------------------------------
+
+INTERRUPTED = f'''
+import os, sys
+import numpy as np
+import aaccl
+from aaccl import ReduceFunction
+
+
+async def main(accl):
+    src, dst = accl.allocate(1024, np.float32), accl.allocate(1024, np.float32)
+    rounds = 0
+    while True:
+        await accl.allreduce(src, dst, 1024, ReduceFunction.SUM)
+        rounds += 1
+        if rounds == 1:
+            sys.stdout.write(f"{MARK}-ready rank={{accl.rank}} pid={{os.getpid()}}\\n")
+            sys.stdout.flush()
+
+
+aaccl.run(main, timeout=5.0)
+'''
+
+
+def interrupt_trial(script: Path, nprocs: int) -> tuple[int, str, list[int]]:
+    """Start `mpiexec -n nprocs` on `script`, Ctrl-C it (SIGINT to mpiexec, which
+    forwards it to every rank) once every rank is in its loop of allreduces; return
+    its exit status, its output and the processes of the job left running."""
+    assert MPIEXEC is not None
+    marker = f"--aaccl-test-{uuid.uuid4().hex}"
+    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OPENBLAS_NUM_THREADS": "1"}
+    live = procs.LiveJob([MPIEXEC, "-n", str(nprocs), sys.executable, str(script), marker],
+                         env, ROOT)
+    proc = live.proc
+    try:
+        deadline = time.monotonic() + 90
+        while sum(f"{MARK}-ready" in line for _, line in list(live.lines)) < nprocs \
+                and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, f"the job ended before it was interrupted:\n{live.stderr}"
+        job = procs.descendants(proc.pid)
+        os.kill(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+        left = sorted(pid for pid in job | procs.with_marker(marker) if procs.alive(pid))
+    finally:
+        procs.kill(procs.descendants(proc.pid) | procs.with_marker(marker) | {proc.pid})
+        proc.wait()
+        live.join(10)
+    return proc.returncode, live.stdout + live.stderr, left
+
+
+def assert_interrupted_cleanly(status: int, output: str, left: list[int]) -> None:
+    """No rank crashed, the status says the job was interrupted, nothing is left.
+
+    Every rank exits 130 (after MPI_Finalize) instead of dying of SIGINT. Once
+    mpiexec has forwarded a Ctrl-C, it SIGKILLs the ranks still running as soon as one
+    exits, whatever its status: its own status is 130 when every rank got out first,
+    else 9 (its SIGKILL); 131 (130 | 1) when a rank whose SIGINT came late had its
+    calls aborted by an interrupted peer first, and exited 1 with that error. Before,
+    ranks died of SIGINT and hydra reported the job as 2 | 9 = 11, "Segmentation
+    fault (signal 11)"."""
+    assert "Segmentation fault" not in output and "signal 11" not in output, output[-3000:]
+    assert status in (128 + signal.SIGINT, (128 + signal.SIGINT) | 1, signal.SIGKILL), \
+        f"exit status {status}:\n{output[-3000:]}"
+    assert not left, f"processes outlived the job: {left}"
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def interrupted(tmp_path: Path, request: pytest.FixtureRequest) -> Path:
+    path = tmp_path / "allreduce_until_interrupted.py"
+    path.write_text(INTERRUPTED.replace("timeout=5.0)", f"timeout=5.0, backend={request.param!r})"))
+    return path
+
+
+def test_ctrl_c_under_plain_mpiexec_is_clean(interrupted: Path) -> None:
+    for i in range(3):
+        status, output, left = interrupt_trial(interrupted, 4)
+        assert_interrupted_cleanly(status, output, left)
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_plain_mpiexec_is_clean_10_trials(interrupted: Path) -> None:
+    statuses = []
+    for i in range(10):
+        status, output, left = interrupt_trial(interrupted, 4 - i % 2)
+        statuses.append(status)
+        try:
+            assert_interrupted_cleanly(status, output, left)
+        except AssertionError as failure:
+            raise AssertionError(f"trial {i + 1} of 10 (statuses so far {statuses}): "
+                                 f"{failure}") from None
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "aaccl"])
+def test_a_rank_whose_own_code_finishes_late_does_not_fail_the_job(launcher: str) -> None:
+    """The last rank's own code takes 5 s more than the others' (timeout=1): the
+    others wait for it to leave as long as its process lives, and every rank gets
+    every rank's result."""
+    assert MPIEXEC is not None
+    suite = [str(ROOT / "tests" / "mpi" / "faults.py"), "late", "timeout=1.0"]
+    cmd = [MPIEXEC, "-n", "3", sys.executable, *suite] if launcher == "mpiexec" else \
+        [sys.executable, "-m", "aaccl", "launch", "-n", "3", *suite]
+    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OPENBLAS_NUM_THREADS": "1"}
+    started = time.monotonic()
+    job = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=90, start_new_session=True, stdin=subprocess.DEVNULL)
+    took = time.monotonic() - started
+    explain = f"\nexit {job.returncode} after {took:.1f} s\n{job.stdout}\n{job.stderr[-3000:]}"
+    assert job.returncode == 0, explain
+    assert len(re.findall(r"aaccl-mpi-ok suite=late rank=\d size=3 checks=1", job.stdout)) == 3, \
+        explain
+    assert took >= 5, explain  # (the late rank's own 5 s)
+
+
+def test_a_late_rank_killed_while_the_others_wait_to_leave_fails_them_at_once() -> None:
+    """The late rank's process is killed 1 s into its own code, while the others wait
+    for it to leave (timeout=1, which does not bound that wait): they fail at once,
+    and the job ends with its status."""
+    suite = [str(ROOT / "tests" / "mpi" / "faults.py"), "late", "timeout=1.0"]
+    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OPENBLAS_NUM_THREADS": "1",
+           "AACCL_TEST_LATE_DIES": "1"}
+    started = time.monotonic()
+    job = subprocess.run([sys.executable, "-m", "aaccl", "launch", "-n", "3", *suite],
+                         check=False, capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=90, start_new_session=True, stdin=subprocess.DEVNULL)
+    took = time.monotonic() - started
+    explain = f"\nexit {job.returncode} after {took:.1f} s\n{job.stdout}\n{job.stderr[-3000:]}"
+    assert job.returncode == 128 + signal.SIGKILL, explain
+    for rank in (0, 1):
+        # (named by its pid's end, or by the launcher's word, whichever came first)
+        assert re.search(rf"rank {rank} cannot gather every rank's result: (.*rank 2|a "
+                         "process of this MPI job ended)", job.stdout + job.stderr), explain
+    assert took < 15, explain  # (start-up, 1 s of the late rank's code, then at once)

@@ -685,6 +685,46 @@ def test_under_mpiexec_each_process_runs_one_rank_and_rank_0_reports(
     assert took["test_one_rank_fails"] < FAST and took["test_one_rank_hangs"] < FAST, out
 
 
+MPI_LATE = """
+@pytest.mark.aaccl(world_size=2, timeout=1)
+async def test_one_rank_finishes_late(accl):
+    buf = accl.allocate(8)
+    buf[:] = 1
+    await accl.allreduce(buf, buf, 8, SUM)
+    assert (buf == 2).all()
+    if accl.rank == 1:
+        time.sleep(5)  # its own code, 5 timeouts longer than rank 0's
+
+@pytest.mark.aaccl(world_size=2, timeout=1)
+async def test_then_a_rank_fails_at_once(accl):
+    buf = accl.allocate(8)
+    if accl.rank == 1:
+        raise KeyError("rank 1 gives up")
+    await accl.allreduce(buf, buf, 8, SUM)
+"""
+
+
+@needs_mpiexec
+def test_under_mpiexec_a_rank_that_finishes_late_passes(tests: pytest.Pytester) -> None:
+    """The timeout (1 s) bounds calls, not a rank's own code: rank 0 waits for rank 1,
+    whose body takes 5 s more, and the test passes on both; a rank that raises still
+    fails its peer's waiting call at once."""
+    path = write(tests, "import time\n" + MPI_LATE)
+    tests.makeconftest(OUTCOMES)
+    assert MPIEXEC is not None
+    job = run_job([MPIEXEC, "-n", "2", sys.executable, "-m", "pytest", *QUIET, "-rA",
+                   "--durations=0", "--durations-min=0", str(path)], limit=120)
+    out = job.stdout
+    assert re.search(r"1 failed, 1 passed in [\d.]+s", out), job.explain()
+    first, second = outcomes_of_each_process(tests, 2)
+    assert first == second == ("test_one_rank_finishes_late passed\n"
+                               "test_then_a_rank_fails_at_once failed\n"), (first, second)
+    took = {name: float(s) for s, name in re.findall(r"([\d.]+)s call +\S+::(\w+)", out)}
+    assert took["test_one_rank_finishes_late"] >= 5, out
+    assert took["test_then_a_rank_fails_at_once"] < FAST, out
+    assert "rank 1 left the world: rank 1 failed: KeyError" in out, job.explain()
+
+
 @needs_mpiexec
 def test_aaccl_launch_runs_pytest_one_rank_per_process(tests: pytest.Pytester) -> None:
     path = write(tests, MPI_TESTS)

@@ -14,7 +14,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -376,6 +376,7 @@ async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: 
             raise ValueError(f"world_size={world_size}, but this MPI job has {size} processes")
         check_buffers(nbufs, bufsize, size)
         fabric = MPIFabric(MPI.COMM_WORLD, nbufs, bufsize)
+        wait: float | None = timeout  # for the peers, on closing (see below)
         try:
             dev = SoftDevice(fabric.rank, fabric.port(fabric.rank), in_order=in_order)
             accl = await _open(dev, fabric.rank, _ranks(size, bufsize), nbufs, bufsize, timeout,
@@ -391,12 +392,14 @@ async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: 
                 with anyio.CancelScope(shield=True):
                     await accl._settle()  # what it sent may still be needed
                 accl._depart("its program returned and its world closed")
+                wait = None  # the peers' own code may take any time: wait while they live
             finally:
                 with anyio.CancelScope(shield=True):
                     await accl.aclose()
         finally:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(fabric.close, timeout)
+                # a world left by an error or Ctrl-C waits for its peers up to the timeout
+                await anyio.to_thread.run_sync(fabric.close, wait)
     finally:
         stop_listening()
 
@@ -448,8 +451,8 @@ def run(main: Callable[[ACCL], Awaitable[T]], world_size: int | None = None, *,
                 outcome = (me in errors, f"{type(errors[me]).__name__}: {errors[me]}"
                            if me in errors else results[me])
                 try:
-                    everyone = await anyio.to_thread.run_sync(_gather_results, outcome,
-                                                              options.get("timeout", 10.0))
+                    everyone = await _gather_results(outcome, accls[0],
+                                                     options.get("timeout", 10.0))
                 except ACCLError:
                     if me in errors:  # its own error says more than the others' absence
                         raise errors[me] from None
@@ -510,23 +513,28 @@ def _first_failure(errors: dict[int, BaseException]) -> BaseException:
                  [own[r] for r in sorted(own)])
 
 
-def _gather_results(mine: Any, timeout: float) -> list[Any]:
-    """Every MPI rank's result, once all have one. A rank that died makes this fail
-    at once if the launcher said a process ended, else after `timeout`: never a hang."""
-    from mpi4py import MPI
+async def _gather_results(mine: Any, accl: ACCL, timeout: float) -> list[Any]:
+    """Every MPI rank's result, once all have one, however long their own code takes
+    (over the MPI fabric; on other devices, up to `timeout`). A rank that died makes
+    this fail as soon as the launcher or the fabric says so: never a hang."""
+    me, missing = accl.rank, peers_missing(accl)
+    return await gather_every_rank(
+        mine, None if missing else timeout, lambda ended:
+        f"rank {me} cannot gather every rank's result: {ended}" if ended
+        else f"not every rank finished within {timeout} s of rank {me}", missing)
 
-    me = MPI.COMM_WORLD.rank
-    return gather_from_every_rank(
-        mine, timeout, lambda ended: f"rank {me} cannot gather every rank's result: {ended}"
-        if ended else f"not every rank finished within {timeout} s of rank {me}")
+
+def peers_missing(accl: ACCL) -> Callable[[], str | None] | None:
+    """`accl`'s MPI fabric's `missing` (why a peer will never come where every rank
+    meets: its process ended), or None on devices without one (they bound such waits
+    by the timeout)."""
+    fabric = getattr(getattr(accl._driver.device, "port", None), "fabric", None)
+    return getattr(fabric, "missing", None)
 
 
-def gather_from_every_rank(mine: Any, timeout: float,
-                           why_not: Callable[[str | None], str]) -> list[Any]:
-    """Every process's `mine` (any picklable value), in MPI rank order, once every
-    process of the job has called this. If one does not within `timeout`, or the
-    launcher says a process ended first, raise ACCLError(why_not(why it ended, or None
-    for the timeout)): never a hang."""
+def _gathered(mine: Any, why_not: Callable[[str | None], str]
+              ) -> Generator[Any, None, list[Any]]:
+    """Every process's `mine`, in MPI rank order: yields MPI's requests to wait for."""
     import pickle
 
     import numpy as np
@@ -535,22 +543,68 @@ def gather_from_every_rank(mine: Any, timeout: float,
     from ..soft import MPIFabric
 
     comm = MPI.COMM_WORLD
-    deadline = time.monotonic() + timeout
     dead = MPIFabric.dead()
     if dead:  # never send to a dead process: MPI's network module may crash on it
         raise ACCLError(why_not("; ".join(f"rank {r}: {how}" for r, how in sorted(dead.items()))))
-
-    def finish(request: Any) -> None:  # nonblocking all along: a peer may be gone
-        while not request.Test():
-            ended = MPIFabric.ended()
-            if ended is not None or time.monotonic() > deadline:
-                raise ACCLError(why_not(ended))
-            time.sleep(0.001)
-
     data = np.frombuffer(pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
     sizes = np.empty(comm.size, np.int64)
-    finish(comm.Iallgather(np.array([data.size], np.int64), sizes))
+    yield comm.Iallgather(np.array([data.size], np.int64), sizes)
     offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     everything = np.empty(int(sizes.sum()), np.uint8)
-    finish(comm.Iallgatherv(data, [everything, (sizes, offsets), MPI.BYTE]))
+    yield comm.Iallgatherv(data, [everything, (sizes, offsets), MPI.BYTE])
     return [pickle.loads(everything[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
+
+
+def _done(request: Any, deadline: float, why_not: Callable[[str | None], str],
+          missing: Callable[[], str | None] | None) -> bool:
+    """False while `request` may still finish; True once it has; ACCLError once a
+    process of the job ended (the launcher said so, or `missing` does) or `deadline`
+    passed, after one last look (what a peer sent before it ended may have come)."""
+    if request.Test():
+        return True
+    from ..soft import MPIFabric
+
+    ended = MPIFabric.ended() or (missing() if missing is not None else None)
+    if ended is None and time.monotonic() <= deadline:
+        return False
+    time.sleep(0.05)
+    if request.Test():
+        return True
+    raise ACCLError(why_not(ended))
+
+
+def gather_from_every_rank(mine: Any, timeout: float | None,
+                           why_not: Callable[[str | None], str],
+                           missing: Callable[[], str | None] | None = None) -> list[Any]:
+    """Every process's `mine` (any picklable value), in MPI rank order, once every
+    process of the job has called this. If the launcher says a process ended first,
+    or `missing()` gives why a peer never will (an MPI fabric's `missing`), or one
+    does not come within `timeout` (None: no limit), raise ACCLError(why_not(the
+    reason, or None for the timeout)): never a hang."""
+    deadline = math.inf if timeout is None else time.monotonic() + timeout
+    steps = _gathered(mine, why_not)
+    try:
+        request = next(steps)
+        while True:  # nonblocking all along: a peer may be gone
+            while not _done(request, deadline, why_not, missing):
+                time.sleep(0.001)
+            request = steps.send(None)
+    except StopIteration as end:
+        return end.value
+
+
+async def gather_every_rank(mine: Any, timeout: float | None,
+                            why_not: Callable[[str | None], str],
+                            missing: Callable[[], str | None] | None = None) -> list[Any]:
+    """`gather_from_every_rank` on the event loop: the task may be cancelled (Ctrl-C)
+    while it waits for peers still running their own code."""
+    deadline = math.inf if timeout is None else time.monotonic() + timeout
+    steps = _gathered(mine, why_not)
+    try:
+        request = next(steps)
+        while True:
+            while not _done(request, deadline, why_not, missing):
+                await anyio.sleep(0.002)
+            request = steps.send(None)
+    except StopIteration as end:
+        return end.value

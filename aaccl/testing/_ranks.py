@@ -20,7 +20,7 @@ import pytest
 
 from .._errors import Aborted, ACCLError, DependencyError
 from ..api import ACCL, open_world
-from ..api._world import gather_from_every_rank
+from ..api._world import gather_every_rank, peers_missing
 from ._plan import Plan
 from ._report import ABORTED, CANCELLED, FAILED, LOST, PASSED, SKIPPED, Outcome, one_line, where
 
@@ -42,7 +42,8 @@ async def run_world(body: Body, plan: Plan, describe: Describe) -> list[Outcome]
         mine = await run_ranks(accls, body, describe, mpi=plan.mpi)
         if not plan.mpi:
             return mine
-        return await _gather(mine[0], plan.world_size, float(plan.options.get("timeout", 10.0)))
+        return await _gather(mine[0], accls[0], plan.world_size,
+                             float(plan.options.get("timeout", 10.0)))
 
 
 async def run_ranks(accls: list[ACCL], body: Body, describe: Describe, *,
@@ -165,15 +166,18 @@ async def _watch_peers(accl: ACCL, ended: dict[int, Outcome],
         await anyio.sleep(WATCH_EVERY)
 
 
-async def _gather(mine: Outcome, size: int, timeout: float) -> list[Outcome]:
-    """Every rank's outcome, from every process of the MPI job. A process that does
-    not report within `timeout` (dead, or still running) counts as LOST."""
+async def _gather(mine: Outcome, accl: ACCL, size: int, timeout: float) -> list[Outcome]:
+    """Every rank's outcome, from every process of the MPI job, however long their
+    bodies take. A process that ended without reporting (the launcher or the MPI
+    fabric says so; on other devices, one that did not report within `timeout`)
+    counts as LOST."""
     def why_not(ended: str | None) -> str:
         return (f"a process of the job ended: {ended}" if ended else
                 f"did not finish within {timeout} s of rank {mine.rank}")
 
+    missing = peers_missing(accl)
     try:
-        every = await anyio.to_thread.run_sync(gather_from_every_rank, mine, timeout, why_not)
+        every = await gather_every_rank(mine, None if missing else timeout, why_not, missing)
     except ACCLError as exc:
         return [mine if r == mine.rank else Outcome(r, LOST, error=str(exc))
                 for r in range(size)]

@@ -2,13 +2,17 @@
 
     mpiexec [-disable-auto-cleanup ...] -n N python tests/mpi/faults.py SUITE timeout=1.0
 
-Suites (all of them end with a non-zero exit status on purpose):
+Suites (all but `late` end with a non-zero exit status on purpose):
   kill      the last rank SIGKILLs itself right after submitting a large allreduce, in
             the middle of a sequence of collectives; the survivors' pending collective
             must fail with RECEIVE_TIMEOUT_ERROR within about the timeout.
   mismatch  rank 0 calls bcast while the others call allreduce (of COUNT elements, or
             $AACCL_TEST_COUNT): nobody waits forever.
   quit      rank 1's code raises in the middle of the sequence; the others time out.
+  late      the last rank's own code runs LATE seconds longer than the others' (after
+            its last call): leaving waits for it, whatever the timeout, and the job
+            succeeds; with $AACCL_TEST_LATE_DIES, its process is SIGKILLed there, and
+            the others fail at once.
 
 Every rank whose call fails prints one FAULT_MARK line (which call, after how long,
 the error) before the harness reports the failure and exits 1.
@@ -36,6 +40,7 @@ signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 FAULT_MARK = "aaccl-mpi-fault"
 ROUNDS, FAULTY_ROUND = 12, 6
+LATE = 5.0  # seconds the last rank's own code takes after its calls (suite `late`)
 COUNT = 5000  # past the eager threshold of the default world (4 KiB): multi-step
 
 
@@ -95,5 +100,26 @@ async def mismatch(checks: Checks, accl: aaccl.ACCL) -> None:
     checks()
 
 
+async def late(checks: Checks, accl: aaccl.ACCL) -> int:
+    src, dst = accl.allocate(COUNT, np.float32), accl.allocate(COUNT, np.float32)
+    src[:] = accl.rank
+    await reported("allreduce", accl.allreduce(src, dst, COUNT, ReduceFunction.SUM))
+    np.testing.assert_array_equal(dst, sum(range(accl.size)))
+    checks()
+    if accl.rank == accl.size - 1:
+        if os.environ.get("AACCL_TEST_LATE_DIES"):  # ... and its process is killed there
+            time.sleep(1)  # noqa: ASYNC251 - its own code, while the others wait to leave
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(LATE)  # noqa: ASYNC251 - its own code, blocking as a computation is
+    return accl.rank
+
+
+def every_rank_returned(name: str, results: list[object]) -> None:
+    if name == "late":
+        assert results == list(range(len(results))), results
+
+
 if __name__ == "__main__":
-    run_suite({"kill": kill, "quit": quit_, "mismatch": mismatch})
+    run_suite({"kill": kill, "quit": quit_, "mismatch": mismatch, "late": late},
+              every_rank_returned)

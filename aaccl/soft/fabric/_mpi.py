@@ -34,10 +34,14 @@ waits on one peer inside MPI: payloads are received with nonblocking receives th
 the progress thread tests (their messages are still delivered in order), an MPI error
 (MPICH reports one when it cannot read a dead sender's memory) drops that message and
 the progress thread goes on, and the calls waiting for the dead peer fail on their
-own timeouts. Closing stops waiting for the other ranks once a process of the job is
-known to be dead (hydra tells the survivors with SIGUSR1, see `process_lost`), and
-then watches the interpreter's exit: if MPI's finalization outlasts EXIT_GRACE
-seconds, SIGALRM ends the process.
+own timeouts. Closing waits for the other ranks as long as they live, however long
+their own code takes, and stops waiting once a process of the job is known to be dead
+(hydra tells the survivors with SIGUSR1, see `process_lost`; a peer on this machine
+is watched by its pid, see `missing`), and then watches the interpreter's exit: if
+MPI's finalization outlasts EXIT_GRACE seconds, SIGALRM ends the process.
+
+No progress thread is inside MPI when MPI is finalized: closing joins it, and so does
+the interpreter's exit for a world that never closed (see `_at_exit`).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import math
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -97,10 +102,14 @@ it naps IDLE_SLEEP between polls, leaving the cores to compute."""
 
 JOIN_LIMIT = 5.0
 """Seconds `close` waits for the progress thread to stop."""
+INTERRUPTED = 130
+"""The exit status of a rank that dies of an uncaught KeyboardInterrupt (see `_at_exit`)."""
 EXIT_GRACE = 5
 """Seconds a process whose world lost a peer may take to exit, MPI_Finalize included."""
 
 _open: weakref.WeakSet[MPIFabric] = weakref.WeakSet()
+_closing = threading.Condition()  # notified as each `close` under way ends
+_closes = 0  # how many are under way (on any thread)
 _ended: str | None = None
 _dead: dict[int, str] = {}
 
@@ -157,7 +166,13 @@ class MPIFabric:
         if self.size > 1 and os.environ.get("AACCL_MPI_COLLECTIVES", "1") != "0":
             self.lane = Lane(self.comm.Dup(), self.engine.post, MPIFabric.ended)
         self.world_key = tuple(range(self.size))
+        # the peers whose processes this one can watch (same kernel, same pid namespace)
+        here = _machine()
+        self._neighbours = {rank: pid for rank, (machine, pid)
+                            in enumerate(self.comm.allgather((here, os.getpid())))
+                            if machine == here and rank != self.rank}
         _open.add(self)
+        _exit_last()
         self._thread = threading.Thread(target=self._progress, name=f"aaccl-mpi-{self.rank}",
                                         daemon=True)
         self._thread.start()
@@ -690,11 +705,24 @@ class MPIFabric:
         or None: a wait for every rank (a barrier) after that may never finish."""
         return _ended
 
-    def close(self, timeout: float) -> None:
-        """Wait (up to `timeout`, or until a process of the job is known to be dead) for
-        every rank to get here and for everything they sent before, then stop the
-        progress thread and free the communicator. If the ranks did not all get here,
-        the exit of this process is watched (`watch_exit`).
+    def missing(self) -> str | None:
+        """Why a peer will never come where this rank waits for every rank, or None
+        while all may still come (however long their own code takes): a process of
+        the job ended without telling its launcher (`process_lost`), MPI failed, or
+        the process of a peer on this machine is gone."""
+        if self.lost is not None:
+            return self.lost
+        for rank, pid in self._neighbours.items():
+            if not _alive(pid):
+                return f"rank {rank}'s process (pid {pid}) ended"
+        return None
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for every rank to get here and for everything they sent before, as long
+        as they live (or up to `timeout` seconds, if given), then stop the progress
+        thread and free the communicator. If the ranks did not all get here (a process
+        of the job ended: see `missing`), the exit of this process is watched
+        (`watch_exit`).
 
         Every rank sends each peer a farewell under each control tag, and sends nothing
         after it; MPI keeps a sender's messages of one tag in order, so once a rank has
@@ -702,6 +730,17 @@ class MPIFabric:
         is left in flight for it. A message still in flight when the communicator is
         freed would otherwise be received by the process's next world, as MPI reuses
         a freed communicator's context for the next one."""
+        global _closes
+        with _closing:
+            _closes += 1
+        try:
+            self._close(timeout)
+        finally:
+            with _closing:
+                _closes -= 1
+                _closing.notify_all()
+
+    def _close(self, timeout: float | None) -> None:
         from mpi4py import MPI
 
         done = False
@@ -714,15 +753,17 @@ class MPIFabric:
                         self._send_obj(None, peer, tag)
             self._said_farewell = True
             expected = 3 * (self.size - 1)
-            deadline = time.monotonic() + timeout
+            deadline = math.inf if timeout is None else time.monotonic() + timeout
             while not (done := self._farewells == expected and not self._arriving) \
-                    and self.lost is None and time.monotonic() < deadline:
+                    and not self._closed and time.monotonic() < deadline:
+                if self.missing() is not None:  # what it sent before it ended may be here
+                    time.sleep(SETTLE)
+                    done = self._farewells == expected and not self._arriving
+                    break
                 time.sleep(IDLE_SLEEP)
         except MPI.Exception as error:
             self._mpi_error(error)
-        self._closed = True
-        self._thread.join(JOIN_LIMIT)
-        _open.discard(self)
+        self._stop()
         if self._fetches:  # a payload never sent (its receive failed): MPI matches on
             done = False
         if self.lane is not None and not self.lane.idle:
@@ -736,6 +777,13 @@ class MPIFabric:
         self.comm.Free()
         if self.lane is not None and self.lane.idle:  # (else MPI still matches with it)
             self.lane.comm.Free()
+
+    def _stop(self) -> None:
+        """Stop the progress thread and wait (up to JOIN_LIMIT) until it is out of MPI."""
+        self._closed = True
+        if self._thread is not threading.current_thread():
+            self._thread.join(JOIN_LIMIT)
+        _open.discard(self)
 
 
 class _Awaited(Wait):
@@ -809,6 +857,73 @@ def _arm_exit_alarm() -> None:
         pending = signal.alarm(EXIT_GRACE)
         if pending:  # the program's own alarm: keep it
             signal.alarm(pending)
+
+
+def _exit_last() -> None:
+    """(Re)register `_at_exit` so that it runs before the other atexit functions
+    (they run last registered first)."""
+    atexit.unregister(_at_exit)
+    atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    """The interpreter exits (mpi4py finalizes MPI after the atexit functions): stop
+    the progress threads of the worlds still open, so that none is inside MPI then.
+
+    A rank that dies of an uncaught KeyboardInterrupt (Ctrl-C, which mpiexec forwards
+    to every rank) would end by SIGINT, as Python does. MPICH's launcher takes a rank
+    killed by a signal for a crash: it SIGKILLs the ranks still exiting, and reports
+    the job's status as the bitwise OR of theirs (SIGINT 2 | SIGKILL 9 = 11, which it
+    prints as "Segmentation fault (signal 11)"). So such a rank runs the remaining
+    atexit functions, finalizes MPI and exits with status 130 (128 + SIGINT) instead.
+    (After a Ctrl-C hydra still SIGKILLs the ranks still running once one exits: the
+    job's status is 130 if every rank got out first, else 9.)"""
+    for fabric in list(_open):
+        fabric._stop()  # (a `close` under way on another thread stops waiting too)
+    with _closing:  # and none frees its communicators while MPI is finalized
+        _closing.wait_for(lambda: _closes == 0, JOIN_LIMIT)
+    error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    MPI = sys.modules.get("mpi4py.MPI")
+    if not isinstance(error, KeyboardInterrupt) or MPI is None \
+            or not _JOB_VARIABLES.intersection(os.environ) \
+            or not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    atexit.unregister(_at_exit)
+    # the others, in their order (`_exit_last` made this one run first: only those
+    # registered since the last world opened, such as `_arm_exit_alarm`, run again)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    MPI.Finalize()
+    os._exit(INTERRUPTED)
+
+
+_JOB_VARIABLES = frozenset(("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+SETTLE = 0.05
+"""Seconds a closing rank still takes what a peer that just ended had sent it."""
+
+
+def _machine() -> tuple[str, str]:
+    """Which kernel and pid namespace this process runs in: processes that share them
+    can watch each other's pids."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            return boot.read().strip(), os.readlink("/proc/self/ns/pid")
+    except OSError:  # not Linux: nobody's pid is watched
+        return f"{os.getpid()}-{id(_open)}", ""
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` (of this kernel and namespace) still runs (a zombie, one
+    that ended but was not waited for yet, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
 
 
 def _finished(request: Any) -> bool:
