@@ -245,16 +245,21 @@ aaccl.run(main, timeout=5.0)
 '''
 
 
-def interrupt_trial(script: Path, nprocs: int) -> tuple[int, str, list[int]]:
-    """Start `mpiexec -n nprocs` on `script`, Ctrl-C it (SIGINT to mpiexec, which
-    forwards it to every rank) once every rank is in its loop of allreduces; return
-    its exit status, its output and the processes of the job left running."""
+def interrupt_trial(script: Path, nprocs: int,
+                    launcher: list[str] | None = None) -> tuple[int, str, list[int]]:
+    """Start `mpiexec -n nprocs` (or `launcher -n nprocs`) on `script`, Ctrl-C it
+    (SIGINT to the launcher, which forwards it to every rank) once every rank is in
+    its loop of allreduces; return its exit status, its output and the processes of
+    the job left running."""
     assert MPIEXEC is not None
     marker = f"--aaccl-test-{uuid.uuid4().hex}"
     paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OPENBLAS_NUM_THREADS": "1"}
-    live = procs.LiveJob([MPIEXEC, "-n", str(nprocs), sys.executable, str(script), marker],
-                         env, ROOT)
+    if launcher is None:
+        start = [MPIEXEC, "-n", str(nprocs), sys.executable]
+    else:
+        start = [*launcher, "-n", str(nprocs)]
+    live = procs.LiveJob([*start, str(script), marker], env, ROOT)
     proc = live.proc
     try:
         deadline = time.monotonic() + 90
@@ -303,6 +308,20 @@ def test_ctrl_c_under_plain_mpiexec_is_clean(interrupted: Path) -> None:
     for i in range(3):
         status, output, left = interrupt_trial(interrupted, 4)
         assert_interrupted_cleanly(status, output, left)
+
+
+def test_ctrl_c_under_aaccl_launch_exits_130(interrupted: Path) -> None:
+    """Under `aaccl launch` every rank's supervisor reports its program's status, and
+    the job's is the highest of them: a rank interrupted by Ctrl-C says 130, as a
+    shell says of a Python program that dies of its KeyboardInterrupt (a rank whose
+    calls an interrupted peer aborted before its own SIGINT came says 1). Before,
+    the supervisor reported a KeyboardInterrupt as 1 like any other exception."""
+    for i in range(2):
+        status, output, left = interrupt_trial(
+            interrupted, 3, [sys.executable, "-m", "aaccl", "launch"])
+        assert "Segmentation fault" not in output and "signal 11" not in output, output[-3000:]
+        assert status == 128 + signal.SIGINT, f"exit status {status}:\n{output[-3000:]}"
+        assert not left, f"processes outlived the job: {left}"
 
 
 @pytest.mark.slow

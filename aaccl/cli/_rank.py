@@ -80,6 +80,9 @@ def run(program: list[str]) -> int:
             runpy.run_path(program[0], run_name="__main__")
     except SystemExit as exc:
         return exit_status(exc)
+    except KeyboardInterrupt:  # Python dies of SIGINT here: a shell says 128 + SIGINT
+        traceback.print_exc()
+        return 128 + signal.SIGINT
     except BaseException:
         traceback.print_exc()
         return 1
