@@ -162,11 +162,7 @@ class Inbox:
             prefix = ("coll",) + msg.key[1:3]
             if not self._ended(prefix):
                 self._check(msg, prefix)
-            msg.state = MessageState.DONE
-            for acknowledge in (msg.on_taken, msg.on_done):
-                if acknowledge is not None:
-                    acknowledge()
-            return True
+            return self._taken_now(msg)
         if kind == "leave":
             if self.on_leave is not None and msg.notice is not None:
                 self.on_leave(msg.src, msg.notice[1], msg.seq)
@@ -178,11 +174,7 @@ class Inbox:
                 assert msg.payload is not None
                 msg.payload = msg.payload.copy()
                 self._early_puts.append(msg)
-            msg.state = MessageState.DONE
-            for acknowledge in (msg.on_taken, msg.on_done):
-                if acknowledge is not None:
-                    acknowledge()
-            return True
+            return self._taken_now(msg)
         if kind == "coll":
             prefix = msg.key[:3]
             if self._ended(prefix):  # nobody here reads it
@@ -203,6 +195,16 @@ class Inbox:
             else:
                 wait.set(self._take(msg))
         return copied
+
+    @staticmethod
+    def _taken_now(msg: Message) -> bool:
+        """A message used up on arrival (no rx buffer, no receive): its sender is
+        told it was taken and is done."""
+        msg.state = MessageState.DONE
+        for acknowledge in (msg.on_taken, msg.on_done):
+            if acknowledge is not None:
+                acknowledge()
+        return True
 
     @staticmethod
     def _drop(msg: Message) -> bool:
