@@ -1,0 +1,79 @@
+"""The Python function calls a small call costs, counted (sys.setprofile).
+
+Timings are noise on a shared CI machine; the number of Python calls one small
+allreduce or one nop makes is not (the same on every run, in process). These
+budgets hold today's counts as ceilings, so that no change adds a layer to the
+small-call path unnoticed; lowering them is the work of making that path lean
+(DESIGN.md's call budget: every layer must earn its calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from types import FrameType
+from typing import Any
+
+import numpy as np
+
+import aaccl
+from aaccl import ReduceFunction
+
+RANKS = 4
+ALLREDUCE_BUDGET = 142
+"""Python calls per rank for one 1-element float32 allreduce of 4 in-process ranks
+on device-resident buffers, asyncio.gather and the event loop's own included
+(139.75 to 140.08 over runs at 71edb87, loaded machine or not)."""
+NOP_BUDGET = 24
+"""Python calls for one `await accl.nop()` (24 at 71edb87)."""
+
+
+async def count_calls(step: Callable[[], Awaitable[Any]], times: int) -> float:
+    """Python function calls per `step`, averaged over `times` (after a warm-up)."""
+    for _ in range(100):
+        await step()
+    calls = 0
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        nonlocal calls
+        if event == "call":
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        for _ in range(times):
+            await step()
+    finally:
+        sys.setprofile(None)
+    return calls / times
+
+
+async def measure() -> tuple[float, float]:
+    async with aaccl.open_world(RANKS) as accls:
+        srcs = [accl.allocate(1, np.float32) for accl in accls]
+        dsts = [accl.allocate(1, np.float32) for accl in accls]
+        for accl, src in zip(accls, srcs):
+            src[:] = accl.rank + 1
+            src.sync_to_device()
+
+        async def allreduce() -> None:
+            await asyncio.gather(*(accl.allreduce(src, dst, 1, ReduceFunction.SUM,
+                                                  from_fpga=True, to_fpga=True)
+                                   for accl, src, dst in zip(accls, srcs, dsts)))
+
+        per_allreduce = await count_calls(allreduce, 200) / RANKS
+        per_nop = await count_calls(accls[0].nop, 200)
+        for dst in dsts:  # the counted calls did their work
+            dst.sync_from_device()
+            assert dst[0] == RANKS * (RANKS + 1) // 2
+    return per_allreduce, per_nop
+
+
+def test_small_calls_stay_within_their_python_call_budget() -> None:
+    per_allreduce, per_nop = asyncio.run(measure())
+    assert per_allreduce <= ALLREDUCE_BUDGET, (
+        f"one small allreduce makes {per_allreduce:.2f} Python calls per rank, over its "
+        f"budget of {ALLREDUCE_BUDGET}")
+    assert per_nop <= NOP_BUDGET, (
+        f"one nop makes {per_nop:.2f} Python calls, over its budget of {NOP_BUDGET}")
