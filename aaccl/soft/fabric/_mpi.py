@@ -104,6 +104,8 @@ JOIN_LIMIT = 5.0
 """Seconds `close` waits for the progress thread to stop."""
 INTERRUPTED = 130
 """The exit status of a rank that dies of an uncaught KeyboardInterrupt (see `_at_exit`)."""
+LOOK_EVERY = 0.05
+"""Seconds between two looks at the pids of the peers on this machine (`missing`)."""
 EXIT_GRACE = 5
 """Seconds a process whose world lost a peer may take to exit, MPI_Finalize included."""
 
@@ -171,6 +173,7 @@ class MPIFabric:
         self._neighbours = {rank: pid for rank, (machine, pid)
                             in enumerate(self.comm.allgather((here, os.getpid())))
                             if machine == here and rank != self.rank}
+        self._next_look = 0.0  # when `missing` next reads their pids
         _open.add(self)
         _exit_last()
         self._thread = threading.Thread(target=self._progress, name=f"aaccl-mpi-{self.rank}",
@@ -712,6 +715,10 @@ class MPIFabric:
         the process of a peer on this machine is gone."""
         if self.lost is not None:
             return self.lost
+        now = time.monotonic()  # (its callers poll every few ms: /proc is read less)
+        if now < self._next_look:
+            return None
+        self._next_look = now + LOOK_EVERY
         for rank, pid in self._neighbours.items():
             if not _alive(pid):
                 return f"rank {rank}'s process (pid {pid}) ended"
