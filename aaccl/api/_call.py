@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -16,6 +17,29 @@ from ..driver import Driver
 from . import _bridge
 
 log = logging.getLogger("aaccl")
+
+
+_Future = asyncio.Future
+_running_loop = asyncio._get_running_loop  # None outside asyncio (trio, a thread)
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    """Resume a task of asyncio awaiting a call: in line on its loop's thread (no
+    system call), through the loop's thread-safe entry from any other."""
+    loop = future.get_loop()
+    if _running_loop() is loop:
+        if not future.done():  # a cancelled await has gone away
+            future.set_result(None)
+        return
+    try:
+        loop.call_soon_threadsafe(_resolve, future)
+    except RuntimeError:  # the loop is closed: nobody is waiting any more
+        pass
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _root_cause(error: BaseException | None) -> BaseException | None:
@@ -41,18 +65,22 @@ class Call:
     dependent that raised DependencyError counts).
     """
 
-    __slots__ = ("name", "owner", "_device", "_lock", "_wakers", "_finished", "_error", "_retrieved",
-                 "_used", "_given_up", "_deps", "_buffers", "_finish", "_on_done", "__weakref__")
+    __slots__ = ("_name", "owner", "_device", "_lock", "_wakers", "_finished", "_error",
+                 "_retrieved", "_used", "_given_up", "_deps", "_buffers", "_finish", "_on_done",
+                 "__weakref__")
 
-    def __init__(self, name: str, owner: object, device: DeviceCall, deps: tuple[Call, ...],
-                 finish: Callable[[], None] | None,
+    def __init__(self, name: str | tuple[str, int, int, str], owner: object, device: DeviceCall,
+                 deps: tuple[Call, ...], finish: Callable[[], None] | None,
                  on_done: Callable[[Call], None] | None = None,
                  buffers: tuple[object, ...] = ()) -> None:
-        self.name, self.owner = name, owner
+        # `name` may come as (op, rank, number, where): formatted only when someone reads
+        # it (an error, a warning, a trace), not for every call
+        self._name = name
+        self.owner = owner
         self._buffers = buffers  # the device uses them until it completes: keep them allocated
         self._device = device
         self._lock = threading.Lock()
-        self._wakers: list[Callable[[], None]] = []
+        self._wakers: list[Callable[[], None] | asyncio.Future[None]] = []
         self._finished = False
         self._error: BaseException | None = None
         self._retrieved = False
@@ -60,7 +88,21 @@ class Call:
         self._given_up = False  # an await of it was cancelled before it finished
         self._deps = deps
         self._finish, self._on_done = finish, on_done
-        device.add_done_callback(self._completed)
+        with device._lock:  # its one completion callback, unless it completed already
+            callbacks = device._callbacks
+            if callbacks is not None:
+                callbacks.append(self._completed)
+                return
+        self._completed(device)
+
+    @property
+    def name(self) -> str:
+        """The call as errors name it: "allreduce (rank 0, call 7)"."""
+        name = self._name
+        if type(name) is tuple:
+            op, rank, number, where = name
+            name = self._name = f"{op} (rank {rank}, call {number}{where})"
+        return name  # type: ignore[return-value]
 
     def _outcome(self, dev: DeviceCall) -> BaseException | None:
         error: BaseException | None = Driver.error(dev, self.name)
@@ -80,20 +122,28 @@ class Call:
         return error
 
     def _completed(self, dev: DeviceCall) -> None:  # on the device's thread
-        try:
-            error = self._outcome(dev)
-        except Exception as exc:  # fail this call, never the device's thread (nor hang)
-            error = ACCLError(f"{self.name} failed inside aaccl: {type(exc).__name__}")
-            error.__cause__ = exc
-        self._buffers, self._finish = (), None
+        if dev.retcode or dev.aborted or dev.error is not None or self._finish is not None:
+            try:
+                error = self._outcome(dev)
+            except Exception as exc:  # fail this call, never the device's thread (nor hang)
+                error = ACCLError(f"{self.name} failed inside aaccl: {type(exc).__name__}")
+                error.__cause__ = exc
+            self._buffers, self._finish = (), None
+        else:  # it succeeded, with nothing to sync: the common small call
+            error = None
+            self._buffers = self._deps = ()
         with self._lock:
             self._error, self._finished = error, True
             wakers, self._wakers = self._wakers, []
-        on_done, self._on_done = self._on_done, None
+        on_done = self._on_done
         if on_done is not None:
+            self._on_done = None
             on_done(self)
         for wake in wakers:
-            wake()
+            if type(wake) is _Future:
+                _wake(wake)
+            else:
+                wake()
 
     def done(self) -> bool:
         """True once the call has finished, successfully or not."""
@@ -141,16 +191,30 @@ class Call:
         """A waiter gave up (cancelled, timed out): its `wake` goes."""
         with self._lock:
             if wake in self._wakers:
-                self._wakers.remove(wake)
+                self._wakers.remove(wake)  # (a future compares by identity)
 
     def __await__(self) -> Generator[Any, None, None]:
         self._used = True  # even if the await is cancelled: the caller did await it
         if not self._finished:
-            trace = _trace.active()
+            trace = _trace._active
             began = time.perf_counter_ns() if trace is not None else 0
             try:
                 poller = getattr(self.owner, "_poller", None)
-                yield from _bridge.wait(self._register, poller, self._forget).__await__()
+                loop = _running_loop() if poller is None else None
+                if loop is not None:  # asyncio: the future is the waker (see _wake)
+                    future = loop.create_future()
+                    with self._lock:
+                        waiting = not self._finished
+                        if waiting:
+                            self._wakers.append(future)
+                    if waiting:
+                        try:
+                            yield from future
+                        except BaseException:
+                            self._forget(future)
+                            raise
+                else:
+                    yield from _bridge.wait(self._register, poller, self._forget).__await__()
             except BaseException:
                 self._given_up = not self._finished  # cancelled: see ACCL._settle
                 raise
@@ -159,7 +223,10 @@ class Call:
                     rank = getattr(self.owner, "rank", 0)
                     trace.add(rank, "host", f"await {self.name.split(' (')[0]}", began,
                               time.perf_counter_ns(), call=self.name)
-        self._mark_retrieved()
+        if self._deps:
+            self._mark_retrieved()
+        else:
+            self._retrieved = True
         if self._error is not None:
             raise self._error
 

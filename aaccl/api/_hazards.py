@@ -17,12 +17,18 @@ for it), so the books stay as small as the memory's distinct pieces, and
 - a new write looks at the writer and the readers of what it covers, then drops
   them;
 - a finished call leaves in time proportional to the segments it is in.
+
+Most calls use memory no other unfinished call of their rank uses: such a call is
+kept as it came, its spans under its allocations (`_lone`), with no segment built;
+only a second call on the same allocation turns the first one's spans into
+segments. So a rank whose calls do not share memory pays a dict entry per
+allocation, whatever the size of the books.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -79,20 +85,30 @@ class Hazards(Generic[K]):
     def __init__(self) -> None:
         self._regions: dict[int, _Region[K]] = {}
         self._held: dict[K, list[_Segment[K]]] = {}  # segments each call is (or was) in
+        # allocations that exactly one call uses, which has no segments there; and the
+        # accesses of such calls, as they came
+        self._lone: dict[int, K] = {}
+        self._solo: dict[K, tuple[Sequence[Span], Sequence[Span]]] = {}
 
     def __bool__(self) -> bool:
         """False when no memory is in use by an unfinished call: nothing to check."""
-        return bool(self._regions)
+        return bool(self._regions) or bool(self._lone)
 
     def __len__(self) -> int:
         """Calls tracked (some of them may be superseded already)."""
-        return len(self._held)
+        return len(self._held.keys() | self._solo.keys())
+
+    def uses(self, spans: Iterable[Span]) -> bool:
+        """Whether an unfinished call uses any of these spans' allocations: if not, a
+        call on them conflicts with nothing (O(1) per span)."""
+        regions, lone = self._regions, self._lone
+        return any(base in regions or base in lone for base, _, _ in spans)
 
     def conflicts(self, reads: Iterable[Span] = (), writes: Iterable[Span] = ()) -> list[K]:
         """Unfinished calls a call with these accesses must wait for, in the order
         first found, each once."""
         found: dict[K, None] = {}
-        if not self._regions:
+        if not self._regions and not self._lone:
             return []
         for span in reads:
             self._collect(span, False, found)
@@ -102,8 +118,17 @@ class Hazards(Generic[K]):
 
     def _collect(self, span: Span, write: bool, found: dict[K, None]) -> None:
         base, start, end = span
+        if start >= end:
+            return
         region = self._regions.get(base)
-        if region is None or start >= end:
+        if region is None:
+            other = self._lone.get(base)
+            if other is not None:  # one call there, its spans as they came
+                reads, writes = self._solo[other]
+                if any(b == base and s < end and start < e and s < e for b, s, e in writes) \
+                        or write and any(b == base and s < end and start < e and s < e
+                                         for b, s, e in reads):
+                    found[other] = None
             return
         lo, hi = region.overlapping(start, end)
         segments = region.segments
@@ -114,9 +139,21 @@ class Hazards(Generic[K]):
             if write and seg.readers:
                 found.update(seg.readers)
 
-    def add(self, key: K, reads: Iterable[Span] = (), writes: Iterable[Span] = ()) -> None:
+    def add(self, key: K, reads: Sequence[Span] = (), writes: Sequence[Span] = ()) -> None:
         """Record a submitted call's accesses. Reads go first: a call that reads and
         writes the same bytes (in place) is their writer."""
+        bases = {base for base, start, end in (*reads, *writes) if start < end}
+        if not bases:
+            return
+        regions, lone = self._regions, self._lone
+        for base in bases:
+            if base in lone:  # a second call there: the first one's spans become segments
+                self._segment(lone.pop(base), base)
+        if not any(base in regions for base in bases):  # memory nobody else uses
+            for base in bases:
+                lone[base] = key
+            self._solo[key] = (reads, writes)
+            return
         held = self._held.setdefault(key, [])  # listed first: a split may extend it
         for base, start, end in reads:
             if start < end:
@@ -127,8 +164,26 @@ class Hazards(Generic[K]):
         if not held:
             del self._held[key]
 
+    def _segment(self, key: K, base: int) -> None:
+        """Turn a lone call's spans on allocation `base` into segments."""
+        reads, writes = self._solo[key]
+        region = self._region(base)
+        held = self._held.setdefault(key, [])
+        for b, start, end in reads:
+            if b == base and start < end:
+                self._read(key, region, start, end, held)
+        for b, start, end in writes:
+            if b == base and start < end:
+                self._write(key, region, start, end, held)
+
     def discard(self, key: K) -> None:
         """Forget a finished call (no-op for a call never added)."""
+        solo = self._solo.pop(key, None)
+        if solo is not None:
+            lone = self._lone
+            for base, _, _ in (*solo[0], *solo[1]):
+                if lone.get(base) is key:
+                    del lone[base]
         held = self._held.pop(key, None)
         if held is None:
             return
@@ -148,6 +203,8 @@ class Hazards(Generic[K]):
 
     def layout(self, base: int) -> list[tuple[int, int, K | None, list[K]]]:
         """(start, end, writer, readers) of each segment of an allocation: for tests."""
+        if base in self._lone:
+            self._segment(self._lone.pop(base), base)
         region = self._regions.get(base)
         if region is None:
             return []
