@@ -26,6 +26,7 @@ from ._kernel import Kernel, attach_stream, on_card
 
 Calls = Iterable[Call]
 OP0_STREAM, RES_STREAM = int(StreamFlags.OP0_STREAM), int(StreamFlags.RES_STREAM)
+_COUNT_END = 2**32  # counts below it fit the CCLO's 32-bit register
 BOTH_STREAMS = OP0_STREAM | RES_STREAM
 
 
@@ -42,8 +43,8 @@ def _head(buf: Buffer, elements: int) -> Buffer:
 
 
 def _spans(*accesses: tuple[Buffer | None, int]) -> tuple[Span, ...]:
-    """The device bytes of the first `elements` elements of each buffer (None and 0
-    elements touch nothing), each in the buffer's own itemsize."""
+    """The device bytes of the first `elements` elements of each (checked) buffer
+    (None and 0 elements touch nothing), each in the buffer's own itemsize."""
     spans = []
     for buf, elements in accesses:
         if buf is not None and elements:
@@ -52,6 +53,15 @@ def _spans(*accesses: tuple[Buffer | None, int]) -> tuple[Span, ...]:
             start = buf.device_address
             spans.append((alloc.address, start, start + elements * buf.itemsize))
     return tuple(spans)
+
+
+def _span(buf: Buffer, elements: int) -> tuple[Span, ...]:
+    """`_spans` of one checked buffer (whose address check.buffer has looked up)."""
+    if not elements:
+        return ()
+    start = buf._address
+    assert start is not None and buf._allocation is not None
+    return ((buf._allocation.address, start, start + elements * buf.itemsize),)
 
 
 def _in_memory(flags: int, src: tuple[Buffer, int] | None, dst: tuple[Buffer, int] | None,
@@ -277,11 +287,13 @@ class ACCL:
         return self._driver.split_communicator(ranks)
 
     def _comm_size(self, comm_id: Any) -> int:
-        if isinstance(comm_id, bool) or not isinstance(comm_id, int) \
-                or not 0 <= comm_id < len(self._driver.communicators):
+        comms = self._driver.communicators
+        if type(comm_id) is not int and (isinstance(comm_id, bool)
+                                         or not isinstance(comm_id, int)) \
+                or not 0 <= comm_id < len(comms):
             raise ValueError(f"unknown comm_id {comm_id!r}: this rank has communicators "
-                             f"0..{len(self._driver.communicators) - 1}")
-        return len(self._driver.comm(comm_id).ranks)
+                             f"0..{len(comms) - 1}")
+        return len(comms[comm_id][1].ranks)
 
     def _comm_rank(self, comm_id: int) -> int:
         return self._driver.comm(comm_id).local_rank
@@ -300,28 +312,28 @@ class ACCL:
         """Sync inputs in, start the call after `waitfor` and after the earlier calls
         its device memory (`reads`, `writes`; `sync_in` lies within `reads`) conflicts
         with, and track it."""
-        self._check_open()
+        if self._closed:
+            self._check_open()
         deps = () if type(waitfor) is tuple and not waitfor else check.waitfor(waitfor, self)
-        submitted = time.perf_counter_ns() if _trace.active() is not None else 0
-        waits = [d._device for d in deps]
+        submitted = time.perf_counter_ns() if _trace._active is not None else 0
+        waits = [d._device for d in deps] if deps else []
         hazards: tuple[Call, ...] = ()
-        if self._hazards and (reads or writes):  # memory in use: maybe ours
+        if (reads or writes) and self._hazards.uses(reads, writes):  # memory in use: maybe ours
             hazards, synced = self._order(deps, waits, reads, writes, sync_in)
             writes += synced
         else:
             for region in sync_in:
                 region.sync_to_device()
-        b0, b1, b2 = buffers
-        addrs = (0 if b0 is None else b0.device_address, 0 if b1 is None else b1.device_address,
-                 0 if b2 is None else b2.device_address)
-        device_call = self._driver.start(scenario, addrs=addrs, waitfor=waits, **call)
-        finish = None if sync_out is None else sync_out.sync_from_device
+        b0, b1, b2 = buffers  # checked: their addresses are known
+        addrs = (0 if b0 is None else b0._address, 0 if b1 is None else b1._address,
+                 0 if b2 is None else b2._address)
+        device_call = self._driver.start(scenario, addrs=addrs, waitfor=waits,  # type: ignore[arg-type]
+                                         **call)
         comm_id = call.get("comm_id", GLOBAL_COMM)
-        return self._track(op, "cclo", device_call, deps, submitted, finish,
-                           tuple([b for b in buffers if b is not None]),
+        return self._track(op, "cclo", device_call, deps, submitted,
+                           None if sync_out is None else sync_out.sync_from_device, buffers,
                            reads=reads, writes=writes, hazards=hazards,
-                           sync_out=_spans((sync_out, sync_out.size)) if sync_out is not None
-                           else (),
+                           sync_out=() if sync_out is None else _span(sync_out, sync_out.size),
                            # errors name the communicator where it is not the world
                            where="" if comm_id == GLOBAL_COMM else f", communicator {comm_id}")
 
@@ -377,18 +389,18 @@ class ACCL:
         """The Call of a submitted device call, kept (with the memory it uses) until
         it completes."""
         self._ncalls += 1
-        trace = _trace.active() if submitted else None  # submitted is 0 unless tracing
+        trace = _trace._active if submitted else None  # submitted is 0 unless tracing
         if trace is not None:
             self._record(trace, op, engine, device_call, submitted)
-        name = f"{op} (rank {self._rank}, call {self._ncalls}{where})"
-        if device_call.done():  # ended on the spot (a nop, a failure): nothing to track
+        name = (op, self._rank, self._ncalls, where)  # formatted if ever read
+        if device_call._callbacks is None:  # ended on the spot (a nop, a failure): not tracked
             result = Call(name, self, device_call, deps + hazards, finish, None, buffers)
             if hazards:  # nobody has seen its error yet
                 self._explain(result, hazards)
             return result
         result = Call(name, self, device_call, deps + hazards, finish, self._forget, buffers)
         with self._lock:
-            finished = result.done()
+            finished = result._finished
             if not finished:
                 self._outstanding.add(result)
                 if reads or writes:
@@ -686,15 +698,18 @@ class ACCL:
         `count` elements per rank."""
         size = self._comm_size(comm_id)
         inputs, outputs = (size if chunked_in else 1), (size if chunked_out else 1)
-        n = check.count(count)
-        function = 0 if func is None else int(check.function(func))
+        n = count if type(count) is int and 0 <= count < _COUNT_END else check.count(count)
+        function = 0 if func is None else int(func if type(func) is ReduceFunction
+                                               else check.function(func))
         s = check.buffer(sbuf, "sbuf", self, n * inputs)
         d = check.buffer(rbuf, "rbuf", self, n * outputs)
-        dtype = check.same_dtype(sbuf=s, rbuf=d)
-        wire = check.compression(dtype, compress_dtype)
+        dtype = s.dtype
+        if d.dtype != dtype:
+            check.same_dtype(sbuf=s, rbuf=d)
+        wire = None if compress_dtype is None else check.compression(dtype, compress_dtype)
         return self._submit(op, scenario, waitfor, count=n, comm_id=comm_id, function=function,
                             dtype=dtype, compress_dtype=wire, buffers=(s, d, d),
-                            reads=_spans((s, n * inputs)), writes=_spans((d, n * outputs)),
+                            reads=_span(s, n * inputs), writes=_span(d, n * outputs),
                             sync_in=() if from_fpga else (_head(s, n * inputs),),
                             sync_out=None if to_fpga else _head(d, n * outputs))
 
@@ -703,7 +718,8 @@ class ACCL:
                   from_fpga: bool = False, to_fpga: bool = False, compress_dtype: Any = None,
                   *, waitfor: Calls = ()) -> Call:
         """Every rank's rbuf receives every rank's sbuf[:count], in rank order."""
-        check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
+        if type(from_fpga) is not bool or type(to_fpga) is not bool:
+            check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
         return self._all("allgather", Scenario.ALLGATHER, sbuf, rbuf, count, False, True, None,
                          comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 
@@ -712,9 +728,11 @@ class ACCL:
                   comm_id: int = GLOBAL_COMM, from_fpga: bool = False, to_fpga: bool = False,
                   compress_dtype: Any = None, *, waitfor: Calls = ()) -> Call:
         """Every rank's rbuf receives func over every rank's sbuf[:count]."""
-        check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
+        if type(from_fpga) is not bool or type(to_fpga) is not bool:
+            check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
         return self._all("allreduce", Scenario.ALLREDUCE, sbuf, rbuf, count, False, False,
-                         check.function(func), comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
+                         func if type(func) is ReduceFunction else check.function(func),
+                         comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 
     @_collective
     def reduce_scatter(self, sbuf: Buffer, rbuf: Buffer, count: int, func: ReduceFunction,
@@ -723,16 +741,19 @@ class ACCL:
                        *, waitfor: Calls = ()) -> Call:
         """Rank i's rbuf receives chunk i (of `count` elements) of func over every
         rank's sbuf[:count * size]."""
-        check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
+        if type(from_fpga) is not bool or type(to_fpga) is not bool:
+            check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
         return self._all("reduce_scatter", Scenario.REDUCE_SCATTER, sbuf, rbuf, count, True, False,
-                         check.function(func), comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
+                         func if type(func) is ReduceFunction else check.function(func),
+                         comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 
     @_collective
     def alltoall(self, sbuf: Buffer, rbuf: Buffer, count: int, comm_id: int = GLOBAL_COMM,
                  from_fpga: bool = False, to_fpga: bool = False, compress_dtype: Any = None,
                  *, waitfor: Calls = ()) -> Call:
         """Chunk j of rank i's sbuf lands as chunk i of rank j's rbuf."""
-        check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
+        if type(from_fpga) is not bool or type(to_fpga) is not bool:
+            check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
         return self._all("alltoall", Scenario.ALLTOALL, sbuf, rbuf, count, True, True, None,
                          comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 

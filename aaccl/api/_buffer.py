@@ -77,6 +77,7 @@ def allocate(device: Device, owner: object, shape: int | tuple[int, ...],
     buf = host.view(Buffer)
     alloc = _Allocation(device, owner, address, host)
     buf._allocation = alloc
+    buf._address = address
     weakref.finalize(alloc, _free, weakref.ref(device), address)
     return buf
 

@@ -75,7 +75,13 @@ def function(value: Any) -> ReduceFunction:
 
 def buffer(buf: Any, name: str, owner: object, elements: int, cclo: bool = True) -> Buffer:
     """A buffer of this rank holding at least `elements` elements, of a dtype the CCLO
-    moves (unless `cclo` is False: kernels and transfers take any)."""
+    moves (unless `cclo` is False: kernels and transfers take any). Looks up its device
+    address, which the call then reads as `buf._address`."""
+    if type(buf) is Buffer:  # the common case, in one test
+        alloc = buf._allocation
+        if alloc is not None and alloc.owner is owner and buf._address is not None \
+                and elements <= buf.size and (not cclo or buf.dtype in SUPPORTED_DTYPES):
+            return buf
     if not isinstance(buf, Buffer):
         raise TypeError(f"{name} must be a Buffer from ACCL.allocate(), "
                         f"not {type(buf).__name__}")

@@ -98,11 +98,16 @@ class Hazards(Generic[K]):
         """Calls tracked (some of them may be superseded already)."""
         return len(self._held.keys() | self._solo.keys())
 
-    def uses(self, spans: Iterable[Span]) -> bool:
+    def uses(self, reads: Iterable[Span], writes: Iterable[Span] = ()) -> bool:
         """Whether an unfinished call uses any of these spans' allocations: if not, a
         call on them conflicts with nothing (O(1) per span)."""
         regions, lone = self._regions, self._lone
-        return any(base in regions or base in lone for base, _, _ in spans)
+        if regions or lone:
+            for spans in (reads, writes):
+                for base, _, _ in spans:
+                    if base in regions or base in lone:
+                        return True
+        return False
 
     def conflicts(self, reads: Iterable[Span] = (), writes: Iterable[Span] = ()) -> list[K]:
         """Unfinished calls a call with these accesses must wait for, in the order
@@ -142,14 +147,19 @@ class Hazards(Generic[K]):
     def add(self, key: K, reads: Sequence[Span] = (), writes: Sequence[Span] = ()) -> None:
         """Record a submitted call's accesses. Reads go first: a call that reads and
         writes the same bytes (in place) is their writer."""
-        bases = {base for base, start, end in (*reads, *writes) if start < end}
+        regions, lone = self._regions, self._lone
+        bases: list[int] = []
+        shared = False
+        for spans in (reads, writes):
+            for base, start, end in spans:
+                if start < end and base not in bases:
+                    bases.append(base)
+                    if base in lone:  # a second call there: the first's spans become segments
+                        self._segment(lone.pop(base), base)
+                    shared = shared or base in regions
         if not bases:
             return
-        regions, lone = self._regions, self._lone
-        for base in bases:
-            if base in lone:  # a second call there: the first one's spans become segments
-                self._segment(lone.pop(base), base)
-        if not any(base in regions for base in bases):  # memory nobody else uses
+        if not shared:  # memory nobody else uses
             for base in bases:
                 lone[base] = key
             self._solo[key] = (reads, writes)

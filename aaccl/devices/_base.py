@@ -97,7 +97,8 @@ class DeviceCall:
             event = self._event
         if event is not None:
             event.set()
-        _run_callbacks(self, callbacks)
+        if callbacks:
+            _run_callbacks(self, callbacks)
 
 
 def joined(whole: CallArgs, calls: Sequence[DeviceCall]) -> DeviceCall:

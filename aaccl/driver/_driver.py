@@ -7,6 +7,7 @@ addresses and dtypes; validation and host<->device syncs belong to the API above
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import threading
@@ -32,6 +33,10 @@ from . import _firmware as firmware
 
 OperandDtypes = tuple[np.dtype | None, np.dtype | None, np.dtype | None]
 """Element types of a call's buffers (op0, op1, result); None for a buffer it lacks."""
+
+_call_args = functools.partial(tuple.__new__, CallArgs)
+"""CallArgs from a tuple of its 12 fields, without the namedtuple's Python-level
+constructor (a call's worth of cost on every submission)."""
 
 CONFIG_TIMEOUT = 60.0
 """Seconds the driver waits for one configuration call before giving up on the device."""
@@ -276,11 +281,12 @@ class Driver:
         if operand_dtypes is None:
             arithcfg, flags = 0, CompressionFlags.NO_COMPRESSION
         elif compress_dtype is None and dtype is not None:  # the common case, kept short
-            arithcfg, flags = self._config(dtype, dtype), CompressionFlags.NO_COMPRESSION
+            arithcfg = self._arith.get((dtype, dtype)) or self._config(dtype, dtype)
+            flags = CompressionFlags.NO_COMPRESSION
         else:
             arithcfg, flags = self._operand_compression(operand_dtypes, compress_dtype)
-        args = CallArgs(int(scenario), count, self.communicators[comm_id][0], root_src_dst,
-                        function, tag, arithcfg, int(flags), stream_flags, *addrs)
+        args = _call_args((int(scenario), count, self.communicators[comm_id][0], root_src_dst,
+                           function, tag, arithcfg, int(flags), stream_flags, *addrs))
         if not getattr(self.device, "runs_accl_firmware", False):
             return self.device.start(args, waitfor)
         if scenario in firmware.RENDEZVOUS_ONLY and self.stack in ("tcp", "udp"):
