@@ -88,12 +88,7 @@ class Call:
         self._given_up = False  # an await of it was cancelled before it finished
         self._deps = deps
         self._finish, self._on_done = finish, on_done
-        with device._lock:  # its one completion callback, unless it completed already
-            callbacks = device._callbacks
-            if callbacks is not None:
-                callbacks.append(self._completed)
-                return
-        self._completed(device)
+        device.own(self)  # its one completion (now, if it completed already)
 
     @property
     def name(self) -> str:

@@ -35,16 +35,18 @@ class DeviceCall:
     `args` are the CCLO call's arguments, or None for host work (a job or a kernel
     run), which has no return code: it succeeds or ends with `error`.
 
-    Devices complete it from their own threads; callbacks run on the completing
-    thread and must not block. A callback that raises is logged on the `aaccl`
-    logger and the others run all the same. A completion that happens inside
-    another's callbacks on the same thread (a chain failing call after call) queues
-    its callbacks behind the running ones instead of nesting, so no chain is too
-    long for the stack.
+    Devices complete it from their own threads. Its `owner` (the API's Call, which
+    attaches itself with `own`) learns first, before anyone can see the device call
+    done: so a dependent submitted meanwhile finds the owner's error in place. Then
+    the callbacks run, on the completing thread; they must not block. A callback
+    that raises is logged on the `aaccl` logger and the others run all the same. A
+    completion that happens inside another's callbacks on the same thread (a chain
+    failing call after call) queues its callbacks behind the running ones instead of
+    nesting, so no chain is too long for the stack.
     """
 
     __slots__ = ("args", "_lock", "_callbacks", "_event", "retcode", "aborted", "error",
-                 "started", "detail")
+                 "started", "detail", "_owner", "_settled")
 
     def __init__(self, args: CallArgs | None) -> None:
         self.args = args
@@ -56,6 +58,8 @@ class DeviceCall:
         self.error: Exception | None = None  # the device could not run it, or host work raised
         self.started = 0  # perf_counter_ns when the device began running it (0: not yet)
         self.detail: str | None = None  # what went wrong, in words, where the device knows
+        self._owner: Owner | None = None
+        self._settled = False  # its outcome is set (its owner told or being told)
 
     def done(self) -> bool:
         return self._callbacks is None
@@ -67,6 +71,15 @@ class DeviceCall:
     @property
     def failed(self) -> bool:
         return self.aborted or self.retcode != 0 or self.error is not None
+
+    def own(self, owner: Owner) -> None:
+        """Make `owner._completed(self)` the call's first completion callback, or call
+        it now if the outcome is set already (any thread)."""
+        with self._lock:
+            if not self._settled:
+                self._owner = owner
+                return
+        owner._completed(self)
 
     def add_done_callback(self, fn: Callable[[DeviceCall], None]) -> None:
         """Run `fn(self)` on completion, or right now if already complete."""
@@ -89,16 +102,30 @@ class DeviceCall:
     def complete(self, retcode: int = 0, aborted: bool = False,
                  error: Exception | None = None, detail: str | None = None) -> None:
         with self._lock:
-            callbacks, self._callbacks = self._callbacks, None
-            if callbacks is None:
+            if self._settled:
                 raise RuntimeError("device call completed twice")
             self.retcode, self.aborted, self.error = retcode, aborted, error
             self.detail = detail
+            self._settled = True
+            owner, self._owner = self._owner, None
+        if owner is not None:
+            try:
+                owner._completed(self)
+            except Exception:  # its own failure: the callbacks still run (and wake)
+                log.exception("the owner of a device call failed to complete it")
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, None
             event = self._event
         if event is not None:
             event.set()
         if callbacks:
             _run_callbacks(self, callbacks)
+
+
+class Owner(Protocol):
+    """What owns a device call (the API's Call): told first when it completes."""
+
+    def _completed(self, dev: DeviceCall) -> None: ...
 
 
 def joined(whole: CallArgs, calls: Sequence[DeviceCall]) -> DeviceCall:
