@@ -19,6 +19,7 @@ class SendCall(SoftCall):
     def prepare(self) -> None:
         args, dev = self.args, self.dev
         self.sent = False
+        self.seq: int | None = None  # its place in the peer's message order, once taken
         self.comm = comm = dev.comm(args.comm)
         peer = comm.peer(args.root_src_dst)
         self.use_streams(comm.size, False)
@@ -68,7 +69,7 @@ class SendCall(SoftCall):
                 f"recv(src={self.comm.rank}, {tag_words(self.args.tag)}) ran there)")
 
     def abandon(self) -> None:
-        if not self.sent and hasattr(self, "seq"):  # fill our gap in the peer's sequence
+        if not self.sent and self.seq is not None:  # fill our gap in the peer's sequence
             self.sent = True
             self.dev.port.post(self.comm.sessions[self.args.root_src_dst],
                                Message(self.dev.session, ("p2p", self.comm.key), self.seq,
@@ -80,11 +81,12 @@ class RecvCall(SoftCall):
 
     def prepare(self) -> None:
         args, dev = self.args, self.dev
+        self.posted: PostedRecv | None = None
         comm = dev.comm(args.comm)
         self.src, self.key = comm.peer(args.root_src_dst), ("p2p", comm.key)
         self.use_streams(comm.size, False)
         check_compression(args)
-        self.posted: PostedRecv | None = dev.inbox.post(self.key, self.src, args.tag)
+        self.posted = dev.inbox.post(self.key, self.src, args.tag)
 
     def run(self) -> Body:
         dev, args, posted = self.dev, self.args, self.posted
@@ -129,6 +131,6 @@ class RecvCall(SoftCall):
         return f"a message from rank {self.src} ({tag_words(self.args.tag)})"
 
     def abandon(self) -> None:
-        if getattr(self, "posted", None) is not None:
+        if self.posted is not None:
             self.dev.inbox.cancel(self.key, self.src, self.posted)
             self.posted = None

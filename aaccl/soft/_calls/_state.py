@@ -21,6 +21,7 @@ from ..._errors import Aborted, ACCLError
 from ...devices import CallArgs, DeviceCall
 from .._datapath import OPERAND_FLAGS
 from .._engine import Timer, Wait
+from .._failure import CallFailed
 from .._streams import StreamRead, stream_roles
 from ..fabric._message import function_name
 
@@ -48,18 +49,6 @@ RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
 DEQUEUE_TIMEOUT = int(ErrorCode.DEQUEUE_BUFFER_TIMEOUT_ERROR)
 INBOUND_SEQ, OUTBOUND_SEQ = 2, 3
 """Words of a rank's communicator record that count messages from and to it."""
-
-
-class CallFailed(Exception):
-    """A call fails with ACCL's retcode `code`; `detail` says why, in words. With
-    `error`, the call ends with that exception instead (a stream kernel's)."""
-
-    def __init__(self, code: ErrorCode | int, detail: str | None = None,
-                 error: ACCLError | None = None) -> None:
-        super().__init__(code)
-        self.code = int(code)
-        self.detail = detail
-        self.error = error
 
 
 def describe_call(args: CallArgs, dtype: np.dtype | None = None) -> str:
@@ -339,10 +328,9 @@ class SoftCall:
         if isinstance(wait, StreamRead):
             return f"waited {self.dev.timeout:g} s for {wait.describe()}"
         detail = f"waited {self.dev.timeout:g} s for {self.waiting_for(wait)}"
-        activity = getattr(self.dev.port, "activity", None)
         peers = self.peers_waited(wait)
-        if activity is not None and len(peers) == 1:
-            seen = activity(peers[0])
+        if len(peers) == 1:
+            seen = self.dev.port.activity(peers[0])
             if seen is not None:
                 detail += f"; rank {peers[0]} {seen}"
         return detail
