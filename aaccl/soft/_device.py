@@ -3,7 +3,7 @@
 It keeps its own exchange memory and device memory (so a missing host sync shows
 stale data, as on hardware) and honours `waitfor` itself (a dependent call starts
 when its dependencies complete, with no host round trip). Its calls run on its
-fabric's progress engine (`_engine`); their life is in `_calls` (a package: state machine, point-to-point, schedules).
+fabric's progress engine (`_engine`); their life is in `_calls`.
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ generator — runs until it must wait for a message, for a peer to finish readin
 our data, or for a data job, and yields that `Wait`; the engine resumes it when
 the Wait is set. Every step happens in engine context, never by recursion. Any
 exception fails this call alone.
+
+`_state` holds the state machine (`SoftCall`), `_p2p` the point-to-point calls,
+`_collective` what a collective's call shares with its peers (fingerprint,
+notices), `_schedule` the executor of the schedules; how a fabric takes part in
+a collective is the fabric's (`port.collective`, `fabric.Collective`).
 """
 
 from __future__ import annotations
