@@ -63,10 +63,10 @@ class ScheduleCall(CollectiveCall):
 
     def run(self) -> Body:
         args, dev, comm = self.args, self.dev, self.comm
+        if self.way is not None and (yield from self.way.run(self)):
+            return  # the fabric ran it
         plan = _plan(args.scenario, 0 if comm is None else comm.rank,
                      1 if comm is None else comm.size, args.root_src_dst, args.count)
-        if self.way is not None and (yield from self.way.run(self, plan.reach)):
-            return  # the fabric ran it
         self.path = path = dev.datapath(args)
         self.addrs = (args.addr_0, args.addr_1, args.addr_2)
         self.itemsizes = path.itemsizes
@@ -110,6 +110,12 @@ class ScheduleCall(CollectiveCall):
             self.abandon()
             raise
         self.sending.clear()
+
+    def reach(self) -> list[int]:
+        """How far the call's schedule reaches into each buffer slot, in elements."""
+        args, comm = self.args, self.comm
+        assert comm is not None
+        return _plan(args.scenario, comm.rank, comm.size, args.root_src_dst, args.count).reach
 
     def _span(self, loc: Local, count: int) -> tuple[int, int]:
         itemsize = self.itemsizes[loc.slot]

@@ -21,6 +21,7 @@ from ._message import Collective, Fingerprint, Message, MessageState, Port
 
 if TYPE_CHECKING:
     from .._calls._collective import CollectiveCall
+    from .._calls._schedule import ScheduleCall
     from .._calls._state import Comm
     from .._datapath import Datapath
     from ._message import Key
@@ -158,7 +159,7 @@ class _Meet(_RollCall):
 
     __slots__ = ("met",)  # it came to the meeting, or left it
 
-    def run(self, call: CollectiveCall, reach: list[int]) -> Generator[Wait, Any, bool]:
+    def run(self, call: ScheduleCall) -> Generator[Wait, Any, bool]:
         args, dev, comm, prefix = call.args, call.dev, call.comm, call.prefix
         assert comm is not None and prefix is not None
         path = dev.datapath(args)

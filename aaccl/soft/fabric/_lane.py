@@ -45,6 +45,7 @@ from ._message import Collective, Fingerprint
 
 if TYPE_CHECKING:
     from .._calls._collective import CollectiveCall
+    from .._calls._schedule import ScheduleCall
 
 RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
 MISMATCH = int(ErrorCode.DMA_MISMATCH_ERROR)
@@ -417,21 +418,22 @@ class LaneTurn(Collective):
         self.index = self.op.index
         self.leave(call, failed.code, failed.detail)
 
-    def run(self, call: CollectiveCall, reach: list[int]) -> Generator[Wait, Any, bool]:
+    def run(self, call: ScheduleCall) -> Generator[Wait, Any, bool]:
         if self.op is None:
             return False
         try:
-            return (yield from self._by_mpi(call, reach))
+            return (yield from self._by_mpi(call))
         except BaseException:
             call.abandon()
             raise
 
-    def _by_mpi(self, call: CollectiveCall, reach: list[int]) -> Generator[Wait, Any, bool]:
+    def _by_mpi(self, call: ScheduleCall) -> Generator[Wait, Any, bool]:
         """Take our turn in the lane: the opening exchange, then (if the data did not
         ride in it) MPI's collective moves it. False: MPI cannot, the schedule must."""
         args, dev, comm, op, lane, fp = call.args, call.dev, call.comm, self.op, self.lane, call.fp
         assert comm is not None and op is not None and fp is not None
         path = dev.datapath(args)
+        reach = call.reach()
         op0, _, res = (dev.array(address, path.dtype, n) if n else None
                        for address, n in zip((args.addr_0, args.addr_1, args.addr_2), reach))
         inline = blocks.fits(fp)

@@ -13,6 +13,7 @@ from .._engine import Engine, Wait
 
 if TYPE_CHECKING:
     from .._calls._collective import CollectiveCall
+    from .._calls._schedule import ScheduleCall
     from .._calls._state import Comm
     from .._failure import CallFailed
     from ._inbox import Inbox
@@ -111,10 +112,9 @@ class Collective:
         """The call can never run (`failed`, at submission): it takes its place
         among the fabric's collectives all the same."""
 
-    def run(self, call: CollectiveCall, reach: list[int]) -> Generator[Wait, Any, bool]:
-        """Run before the schedule (`reach`: how far it reaches into each buffer
-        slot, in elements): True if the collective is done, False if the schedule
-        is to run it."""
+    def run(self, call: ScheduleCall) -> Generator[Wait, Any, bool]:
+        """Run before the schedule: True if the collective is done, False if the
+        schedule is to run it."""
         return False
         yield  # a generator
 

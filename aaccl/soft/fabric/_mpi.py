@@ -73,6 +73,7 @@ from ._message import Collective, Key, Message, MessageState, Port
 
 if TYPE_CHECKING:
     from .._calls._collective import CollectiveCall
+    from .._calls._schedule import ScheduleCall
     from .._calls._state import Comm
 
 HEADER, ACK, WITHDRAW = 1, 2, 3
@@ -827,7 +828,7 @@ class _Announce(Collective):
 
     __slots__ = ()
 
-    def run(self, call: CollectiveCall, reach: list[int]) -> Generator[Wait, Any, bool]:
+    def run(self, call: ScheduleCall) -> Generator[Wait, Any, bool]:
         comm, dev = call.comm, call.dev
         assert comm is not None
         for peer in comm.sessions:
