@@ -8,6 +8,7 @@ fabric's progress engine (`_engine`); their life is in `_calls`.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Hashable, Sequence
 
@@ -204,18 +205,19 @@ class SoftDevice:
     # -- calls ------------------------------------------------------------------------
 
     def start(self, args: CallArgs, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
-        handle = DeviceCall(args)
         if self.closed:
-            handle.complete(error=DeviceError("the soft CCLO is closed"))
-            return handle
+            refused = DeviceCall(args)
+            refused.complete(error=DeviceError("the soft CCLO is closed"))
+            return refused
         if args.scenario == Scenario.NOP and not waitfor and not self.in_order:
-            handle.mark_started()  # nothing to wait for: complete on the spot
+            done = DeviceCall(args)  # nothing to wait for: complete on the spot
+            done.started = time.perf_counter_ns()
             self.exchmem[xm.RETCODE // 4] = 0
-            handle.complete(0)
-            return handle
-        call = make_call(self, args, handle)
+            done.complete(0)
+            return done
+        call = make_call(self, args)
         self.engine.post(self._admit, call, tuple(waitfor))
-        return handle
+        return call
 
     def _admit(self, call: SoftCall, waitfor: tuple[DeviceCall, ...]) -> None:
         if self.aborted is not None or self.closed:
@@ -241,14 +243,14 @@ class SoftDevice:
         """A call ended (engine context): publish its return code, release the next.
         `aborted`: it never ran (a dependency failed), or `error` ended it."""
         self._calls.pop(call, None)
-        if error is None and call.handle.started:
+        if error is None and call.started:
             self.exchmem[xm.RETCODE // 4] = retcode
         if self.in_order:
             self._leave_queue(call)
         if error is not None:
-            call.handle.complete(error=error)
+            call.complete(error=error)
         else:
-            call.handle.complete(retcode, aborted=aborted, detail=detail)
+            call.complete(retcode, aborted=aborted, detail=detail)
 
     def _leave_queue(self, call: SoftCall) -> None:
         """In order: an ended call leaves the queue, however it ended (ran, failed,
@@ -334,13 +336,13 @@ class SoftDevice:
         self.port.peer_left(lane_done, str(error))
 
     def abort_calls(self, handles: Sequence[DeviceCall], reason: str) -> None:
-        """End these outstanding calls (by their handles) with `Aborted(reason)`, in
+        """End these outstanding calls (their device calls) with `Aborted(reason)`, in
         one pass over the outstanding calls however many there are (any thread)."""
         self.engine.post(self._abort_calls, frozenset(handles), reason)
 
     def _abort_calls(self, handles: frozenset[DeviceCall], reason: str) -> None:
         error = Aborted(reason)
-        for call in [c for c in self._calls if c.handle in handles]:
+        for call in [c for c in self._calls if c in handles]:
             call.abort_now(error)
 
     def abort(self, reason: str) -> None:

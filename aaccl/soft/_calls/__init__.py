@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..._constants import ErrorCode, Scenario
-from ...devices import CallArgs, DeviceCall
+from ...devices import CallArgs
 from ._p2p import RecvCall, SendCall
 from ._schedule import ScheduleCall
 from ._state import COLLECTIVES, OFFLOAD_BYTES, CallFailed, Comm, ConfigCall, SoftCall
@@ -36,16 +36,16 @@ if TYPE_CHECKING:
     from .._device import SoftDevice
 
 
-def make_call(dev: SoftDevice, args: CallArgs, handle: DeviceCall) -> SoftCall:
+def make_call(dev: SoftDevice, args: CallArgs) -> SoftCall:
     scenario = args.scenario
     if scenario == Scenario.SEND:
-        return SendCall(dev, args, handle)
+        return SendCall(dev, args)
     if scenario == Scenario.RECV:
-        return RecvCall(dev, args, handle)
+        return RecvCall(dev, args)
     if scenario in COLLECTIVES or scenario in (Scenario.COPY, Scenario.COMBINE):
-        return ScheduleCall(dev, args, handle)
-    call: SoftCall = ConfigCall(dev, args, handle) if scenario == Scenario.CONFIG \
-        else SoftCall(dev, args, handle)
+        return ScheduleCall(dev, args)
+    call: SoftCall = ConfigCall(dev, args) if scenario == Scenario.CONFIG \
+        else SoftCall(dev, args)
     if scenario not in (Scenario.CONFIG, Scenario.NOP):
         call.failure = int(ErrorCode.COLLECTIVE_NOT_IMPLEMENTED)
     return call

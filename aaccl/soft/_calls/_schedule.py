@@ -108,8 +108,15 @@ class ScheduleCall(CollectiveCall):
                 if not sending.handover.done:
                     sending.handover.expire()
             self.abandon()
+            self._drop()
             raise
         self.sending.clear()
+        self._drop()
+
+    def _drop(self) -> None:
+        """The schedule ended: let go of its views of device memory and saved inputs
+        (the call lives on as its Call's device call, for as long as the user keeps it)."""
+        self.views, self.saved = [], {}
 
     def reach(self) -> list[int]:
         """How far the call's schedule reaches into each buffer slot, in elements."""

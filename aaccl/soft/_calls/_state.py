@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Generator, Hashable
+import threading
+import time
+from collections.abc import Callable, Generator, Hashable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -98,15 +100,25 @@ class Comm:
         return self.sessions[index]
 
 
-class SoftCall:
-    """One call on one soft CCLO. Subclasses say how it is admitted and what it runs."""
+class SoftCall(DeviceCall):
+    """One call on one soft CCLO, and its device call (what `SoftDevice.start`
+    returns): one object from submission to completion. Subclasses say how it is
+    admitted and what it runs."""
 
-    __slots__ = ("dev", "args", "handle", "state", "failure", "deps_left", "body", "waiting",
-                 "timer", "aborting", "failure_detail", "failure_error", "op0_stream",
-                 "res_stream")
+    __slots__ = ("dev", "state", "failure", "deps_left", "body", "waiting", "timer",
+                 "aborting", "failure_detail", "failure_error", "op0_stream", "res_stream")
 
-    def __init__(self, dev: SoftDevice, args: CallArgs, handle: DeviceCall) -> None:
-        self.dev, self.args, self.handle = dev, args, handle
+    def __init__(self, dev: SoftDevice, args: CallArgs) -> None:
+        # DeviceCall's fields, set here rather than by its __init__ (one call less
+        # per call, on the path every small call takes)
+        self.args = args
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[DeviceCall], None]] | None = []
+        self._event = self._owner = None
+        self.retcode = self.started = 0
+        self.aborted = self._settled = False
+        self.error = self.detail = None
+        self.dev = dev
         self.state = State.SUBMITTED
         self.failure = 0  # a retcode known early: the call fails when it would run or end
         self.failure_detail: str | None = None
@@ -127,7 +139,7 @@ class SoftCall:
         except CallFailed as failed:
             self.failure, self.failure_detail = failed.code, failed.detail
         if self.op0_stream or self.res_stream:
-            turn = self.dev.streams.turn(self.handle)
+            turn = self.dev.streams.turn(self)
             if turn is not None:
                 waitfor = (*waitfor, turn)
         if not waitfor:
@@ -251,7 +263,7 @@ class SoftCall:
         if self.state is not State.SUBMITTED:
             return  # aborted while it waited for its turn
         self.state = State.RUNNING
-        self.handle.mark_started()
+        self.started = time.perf_counter_ns()
         if self.failure:
             self.aborting = self.failure_error
             self.abandon()
