@@ -192,6 +192,10 @@ class ACCL:
             await self._settle()
             await anyio.to_thread.run_sync(self._driver.close)
 
+    # -- lifecycle: what aaccl's worlds (`open_world`, `run`), its test runner
+    # (aaccl.testing) and its pyaccl layer (aaccl.compat) do with a rank beyond the
+    # public API. Internal; nothing else reaches into a rank's calls or device.
+
     async def _settle(self) -> None:
         """Wait until every outstanding call has ended; abort at once those whose
         await was cancelled (`wait_for`, a timeout scope): nobody waits for them."""
@@ -238,16 +242,36 @@ class ACCL:
         time. The rank stays open."""
         self._driver.device.abort(reason)
 
+    def _settle_blocking(self) -> None:
+        """_settle for a thread without an event loop (aaccl.compat): block until every
+        call outstanding now has ended."""
+        with self._lock:
+            pending = list(self._outstanding)
+        for call in pending:
+            call._block()
+
     def _close_blocking(self) -> None:
         """aclose for a thread without an event loop (aaccl.compat)."""
         if self._closed:
             return
         self._closed = True
-        with self._lock:
-            pending = list(self._outstanding)
-        for call in pending:
-            call._block()
+        self._settle_blocking()
         self._driver.close()
+
+    def _unfinished(self) -> tuple[str, ...]:
+        """The names of this rank's calls not finished yet (for reports)."""
+        with self._lock:
+            return tuple(c.name for c in self._outstanding if not c.done())
+
+    def _peers_gone(self) -> dict[int, str]:
+        """The ranks known to have left this rank's world, and why (`Device.gone`)."""
+        return dict(self._driver.device.gone)
+
+    def _peers_missing(self) -> Callable[[], str | None] | None:
+        """What says why a peer will never come where every rank meets (the MPI
+        fabric's `missing`: its process ended), or None on devices without it: they
+        bound such waits by the timeout (`Device.missing`)."""
+        return self._driver.device.missing
 
     # -- memory and communicators ---------------------------------------------------
 

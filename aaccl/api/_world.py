@@ -379,6 +379,7 @@ async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: 
         wait: float | None = timeout  # for the peers, on closing (see below)
         try:
             dev = SoftDevice(fabric.rank, fabric.port(fabric.rank), in_order=in_order)
+            dev.missing = fabric.missing  # a peer whose process ended never comes
             accl = await _open(dev, fabric.rank, _ranks(size, bufsize), nbufs, bufsize, timeout,
                                stack)
             try:
@@ -517,19 +518,11 @@ async def _gather_results(mine: Any, accl: ACCL, timeout: float) -> list[Any]:
     """Every MPI rank's result, once all have one, however long their own code takes
     (over the MPI fabric; on other devices, up to `timeout`). A rank that died makes
     this fail as soon as the launcher or the fabric says so: never a hang."""
-    me, missing = accl.rank, peers_missing(accl)
+    me, missing = accl.rank, accl._peers_missing()
     return await gather_every_rank(
         mine, None if missing else timeout, lambda ended:
         f"rank {me} cannot gather every rank's result: {ended}" if ended
         else f"not every rank finished within {timeout} s of rank {me}", missing)
-
-
-def peers_missing(accl: ACCL) -> Callable[[], str | None] | None:
-    """`accl`'s MPI fabric's `missing` (why a peer will never come where every rank
-    meets: its process ended), or None on devices without one (they bound such waits
-    by the timeout)."""
-    fabric = getattr(getattr(accl._driver.device, "port", None), "fabric", None)
-    return getattr(fabric, "missing", None)
 
 
 def _gathered(mine: Any, why_not: Callable[[str | None], str]
