@@ -29,7 +29,7 @@ from ..soft import InProcessFabric, SoftDevice
 from ._accl import ACCL
 
 if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup, ExceptionGroup
+    from exceptiongroup import BaseExceptionGroup
 
 T = TypeVar("T")
 DEVICES = ("soft", "emulator", "xrt", "pynq")
@@ -508,10 +508,9 @@ def _first_failure(errors: dict[int, BaseException]) -> BaseException:
     first = own[min(own)]
     if all(type(e) is type(first) and str(e) == str(first) for e in own.values()):
         return first
-    group = BaseExceptionGroup if any(not isinstance(e, Exception) for e in own.values()) \
-        else ExceptionGroup
-    return group(f"{len(own)} ranks failed (ranks {', '.join(map(str, sorted(own)))})",
-                 [own[r] for r in sorted(own)])
+    ranks = ", ".join(map(str, sorted(own)))  # (an ExceptionGroup if all are Exceptions)
+    return BaseExceptionGroup(f"{len(own)} ranks failed (ranks {ranks})",
+                              [own[r] for r in sorted(own)])
 
 
 async def _gather_results(mine: Any, accl: ACCL, timeout: float) -> list[Any]:

@@ -138,7 +138,8 @@ def _run_callbacks(call: DeviceCall, callbacks: list[Callable[[DeviceCall], None
     """Run completion callbacks iteratively: one thread, one loop at a time."""
     if not callbacks:
         return
-    pending: deque | None = getattr(_local, "pending", None)
+    pending: deque[tuple[DeviceCall, list[Callable[[DeviceCall], None]]]] | None = \
+        getattr(_local, "pending", None)
     if pending is not None:
         pending.append((call, callbacks))
         return

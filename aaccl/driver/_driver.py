@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -85,14 +86,15 @@ def check_timeout(device: Device, seconds: Any) -> float:
     """`seconds` if the device can hold it as a call's timeout, else ValueError (before
     anything reaches the device). Devices that enforce the timeout on the host
     (`enforces_call_timeout`) hold any; others only what SET_TIMEOUT's register does."""
-    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) \
-            or not 0 < seconds < math.inf:
+    real = isinstance(seconds, numbers.Real) and not isinstance(seconds, bool)
+    value = float(seconds) if real else math.nan
+    if not 0 < value < math.inf:
         raise ValueError(f"timeout must be a positive number of seconds, got {seconds!r}")
     limit = MAX_TICKS / device.timer_hz
-    if not device.enforces_call_timeout and seconds > limit:
+    if not device.enforces_call_timeout and value > limit:
         raise ValueError(f"timeout={seconds:g} s is more than {type(device).__name__} can "
                          f"hold: its timer register counts at most {limit:g} s")
-    return float(seconds)
+    return value
 
 
 def _itemsizes(operand_dtypes: OperandDtypes) -> tuple[int, int, int]:
@@ -337,9 +339,9 @@ class Driver:
         if call.error is not None:  # a fresh exception of the device's kind, per call
             kind = type(call.error) if isinstance(call.error, ACCLError) else ACCLError
             if isinstance(call.error, KernelError):  # a soft CCLO's stream kernel raised
-                error = kind(f"{operation} failed: {call.error}")
-                error.__cause__ = call.error.__cause__
-                return error
+                failed = kind(f"{operation} failed: {call.error}")
+                failed.__cause__ = call.error.__cause__
+                return failed
             return kind(f"{operation} could not run: {call.error}")
         if call.aborted:
             return DependencyError(f"{operation} did not run: a call it waits for failed")
@@ -358,4 +360,7 @@ class Driver:
 def _add_note(error: BaseException, note: str) -> None:
     """`error.add_note(note)`, also before Python 3.11 (where the exceptiongroup
     backport that anyio installs prints `__notes__` in tracebacks)."""
-    error.__notes__ = [*getattr(error, "__notes__", ()), note]
+    if sys.version_info >= (3, 11):
+        error.add_note(note)
+    else:
+        error.__notes__ = [*getattr(error, "__notes__", ()), note]  # type: ignore[attr-defined]
