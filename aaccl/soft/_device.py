@@ -23,7 +23,6 @@ from ._datapath import Datapath, UnsupportedConfig
 from ._memory import DeviceMemory
 from ._streams import StreamKernel, StreamPorts
 from .fabric import Message, Port, RxPool
-from .fabric import _blocks as blocks
 from .fabric._message import describe
 
 HWID = 0x0000_00F8  # reduction, compression and stream bits as ACCL's driver reads them
@@ -38,7 +37,7 @@ class SoftDevice(Device):
     def __init__(self, session: int, port: Port, *, in_order: bool = False) -> None:
         self.session, self.port = session, port
         self.inbox, self.engine = port.inbox, port.engine
-        self.poller = getattr(port, "poller", None)  # see ACCL._poller
+        self.poller = port.poller  # see ACCL._poller
         self.in_order = in_order
         self.exchmem = np.zeros(xm.SIZE // 4, np.uint32)
         self.exchmem[xm.HWID // 4] = HWID
@@ -57,17 +56,13 @@ class SoftDevice(Device):
         self.closed = False
         self.last: SoftCall | None = None  # the last call admitted (for `activity`)
         self.gone: dict[int, str] = {}  # peers (sessions) that left the world, and why
-        watch = getattr(port, "watch", None)  # (the MPI fabric naps while we have no calls)
-        if watch is not None:
-            watch(lambda: bool(self._calls))
+        port.watch(lambda: bool(self._calls))  # (the MPI fabric naps while we have no calls)
         self.gone_lane: dict[int, int] = {}  # ... and how far MPI ran their collectives
         # aborted whole: failing calls send no notices, and later ones fail at once
         self.aborted: Aborted | None = None
         self.inbox.on_leave = self._peer_left
         self.inbox.on_stray = self._stray
-        register = getattr(port, "register", None)
-        if register is not None:
-            register(self.activity)
+        port.register(self.activity)
         self.engine.attach()
         self.engine.post(self.inbox.stream_to, self._put_arrived)
 
@@ -287,16 +282,7 @@ class SoftDevice(Device):
         seq = self.inbox.admit(comm.key)
         prefix = ("coll", comm.key, seq)
         self.inbox.abandon_steps(prefix)  # what the peers sent for it frees its rx buffers
-        roll_call = getattr(self.port, "roll_call", None)
-        if roll_call is not None and comm.size > 1:  # counts, so the roll's entry ends
-            roll_call(prefix, comm.size, self.session, None)
-        lane = getattr(self.port, "lane", None)
-        lane = None if lane is None else lane(comm.key)
-        if lane is not None:  # it takes its turn among the collectives MPI runs, too
-            block = np.empty(blocks.BLOCK, np.uint8)
-            blocks.encode(block, (0, None, "", "", None, None, comm.size),
-                          state=blocks.ABORTED, why=reason)
-            lane.withdraw(lane.admit(), block)
+        self.port.skip(comm, prefix, reason)  # it takes its place in the fabric's order, too
         for peer in comm.sessions:
             if peer != self.session:
                 msg = Message(self.session, ("abort", comm.key, seq), seq, 0, None, eager=True)
@@ -309,8 +295,7 @@ class SoftDevice(Device):
         self.engine.post(self._leave, reason, tuple(peers))
 
     def _leave(self, reason: str, peers: tuple[int, ...]) -> None:
-        lane_done = getattr(self.port, "lane_done", None)
-        done = 0 if lane_done is None else lane_done()
+        done = self.port.lane_done()
         for peer in peers:
             if peer != self.session:
                 msg = Message(self.session, ("leave",), done, 0, None, eager=True)
@@ -345,9 +330,8 @@ class SoftDevice(Device):
         for call in list(self._calls):
             if call.waiting is not None and session in call.peers_waited(call.waiting):
                 call.abort_now(error)
-        peer_left = getattr(self.port, "peer_left", None)
-        if peer_left is not None:  # the world's collectives from there on never run
-            peer_left(lane_done, str(error))
+        # the world's collectives from there on never run (over MPI)
+        self.port.peer_left(lane_done, str(error))
 
     def abort_calls(self, handles: Sequence[DeviceCall], reason: str) -> None:
         """End these outstanding calls (by their handles) with `Aborted(reason)`, in

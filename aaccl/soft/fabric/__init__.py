@@ -3,8 +3,8 @@
 from ._inbox import Inbox, RxPool
 from ._inprocess import InProcessFabric, InProcessPort
 from ._matching import PostedRecv
-from ._message import Fingerprint, Key, Message, MessageState, Port
+from ._message import Collective, Fingerprint, Key, Message, MessageState, Port
 from ._mpi import MPIFabric
 
-__all__ = ["Fingerprint", "InProcessFabric", "InProcessPort", "Inbox", "Key", "MPIFabric", "Message",
-           "MessageState", "Port", "PostedRecv", "RxPool"]
+__all__ = ["Collective", "Fingerprint", "InProcessFabric", "InProcessPort", "Inbox", "Key",
+           "MPIFabric", "Message", "MessageState", "Port", "PostedRecv", "RxPool"]

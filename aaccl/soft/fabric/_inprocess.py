@@ -7,13 +7,24 @@ sender's device memory, which stays put until the receiver releases it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
-from typing import Any
+from collections.abc import Callable, Generator, Hashable
+from typing import TYPE_CHECKING, Any
 
-from ..._constants import ErrorCode
+import numpy as np
+
+from ..._constants import ErrorCode, Scenario
 from .._engine import Engine, Wait
+from .._failure import CallFailed
+from ..algorithms import SMALL_ALLREDUCE_COUNT
 from ._inbox import Inbox, mismatch
-from ._message import Fingerprint, Message, MessageState
+from ._message import Collective, Fingerprint, Message, MessageState, Port
+
+if TYPE_CHECKING:
+    from .._calls._collective import CollectiveCall
+    from .._calls._schedule import ScheduleCall
+    from .._calls._state import Comm
+    from .._datapath import Datapath
+    from ._message import Key
 
 
 class InProcessFabric:
@@ -127,11 +138,70 @@ class _Seat(Wait):
         return [r for r in range(self.meeting.size) if r not in self.meeting.arrived]
 
 
-class InProcessPort:
+class _RollCall(Collective):
+    """In process, every rank's call of a collective reports to the fabric's roll
+    call (`InProcessPort.roll_call`), which compares it with the first one's at once."""
+
+    __slots__ = ("port",)  # (set by InProcessPort: no __init__, one call less per call)
+
+    def join(self, call: CollectiveCall) -> tuple[int, str] | None:
+        assert call.comm is not None
+        return self.port.roll_call(call.prefix, call.comm.size, call.dev.session, call.fp)
+
+    def reject(self, call: CollectiveCall, failed: CallFailed) -> None:
+        assert call.comm is not None
+        self.port.roll_call(call.prefix, call.comm.size, call.dev.session, None)
+
+
+class _Meet(_RollCall):
+    """A small allreduce meets its peers in shared memory (`Meeting`): the last to
+    come computes everyone's result, and no message is sent."""
+
+    __slots__ = ("met",)  # it came to the meeting, or left it
+
+    def run(self, call: ScheduleCall) -> Generator[Wait, Any, bool]:
+        args, dev, comm, prefix = call.args, call.dev, call.comm, call.prefix
+        assert comm is not None and prefix is not None
+        path = dev.datapath(args)
+        src = dev.array(args.addr_0, path.dtype, args.count)
+        dst = dev.array(args.addr_2, path.dtype, args.count)
+
+        def compute(contributions: list[tuple[np.ndarray, np.ndarray, Datapath]]) -> int:
+            # every rank's fingerprint equals the first's (meeting.check): same count, dtype
+            total = contributions[0][0].copy()
+            for s, _, _ in contributions[1:]:  # folded in rank order, as the schedules do
+                path.combine(total, s, total)
+            for _, d, _ in contributions:
+                d[...] = total
+            return 0
+
+        meeting = self.port.meeting(prefix, comm.size)
+        assert call.fp is not None
+        conflict = meeting.check(dev.session, call.fp)
+        if conflict is not None:
+            call.abandon()
+            raise CallFailed(*conflict)
+        self.met = True
+        seat = meeting.arrive(comm.rank, (src, dst, path), compute)
+        retcode = seat.value if seat.done else (yield seat)
+        if retcode:
+            raise CallFailed(retcode)
+        return True
+
+    def abandon(self, call: CollectiveCall) -> None:
+        if not self.met:  # the others must not wait for us
+            self.met = True
+            assert call.comm is not None
+            self.port.meeting(call.prefix, call.comm.size).leave(call.comm.rank, False)
+
+
+class InProcessPort(Port):
     def __init__(self, fabric: InProcessFabric, session: int) -> None:
         self.fabric, self.session = fabric, session
         self.engine = fabric.engine
         self.inbox = fabric.inboxes[session]
+        self._roll = _RollCall()
+        self._roll.port = self
 
     def post(self, dst: int, msg: Message, timeout_code: int) -> Wait | None:
         inbox = self.fabric.inboxes[dst]
@@ -162,6 +232,24 @@ class InProcessPort:
         other, theirs = first
         return None if theirs == fp else mismatch(fp, theirs, session, other)
 
+    def collective(self, call: CollectiveCall) -> Collective | None:
+        """Every collective of more than one rank reports to the roll call; a small
+        allreduce also meets its peers in shared memory."""
+        comm, args = call.comm, call.args
+        assert comm is not None
+        if comm.size == 1:
+            return None
+        if args.scenario == Scenario.ALLREDUCE and args.count <= SMALL_ALLREDUCE_COUNT \
+                and not args.compression_flags:
+            meet = _Meet()
+            meet.port, meet.met = self, False
+            return meet
+        return self._roll
+
+    def skip(self, comm: Comm, prefix: Key, reason: str) -> None:
+        if comm.size > 1:  # it counts, so that the roll's entry ends
+            self.roll_call(prefix, comm.size, self.session, None)
+
     def register(self, activity: Callable[[], str]) -> None:
         """How others can see what this session's CCLO is doing (for their errors)."""
         self.fabric.activities[self.session] = activity
@@ -178,6 +266,3 @@ class InProcessPort:
         if meeting is None:
             meeting = meetings[key] = Meeting(size, meetings, key)
         return meeting
-
-    def close(self) -> None:
-        pass

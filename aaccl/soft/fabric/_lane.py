@@ -29,18 +29,26 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..._constants import ErrorCode, ReduceFunction, Scenario
 from ..._errors import Aborted
 from .._engine import Wait
+from .._failure import CallFailed
+from . import _blocks as blocks
 from ._blocks import BLOCK, PENDING, agree, encode
-from ._message import Fingerprint
+from ._inbox import mismatch
+from ._message import Collective, Fingerprint
+
+if TYPE_CHECKING:
+    from .._calls._collective import CollectiveCall
+    from .._calls._schedule import ScheduleCall
 
 RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
+MISMATCH = int(ErrorCode.DMA_MISMATCH_ERROR)
 _TYPED = frozenset({"<f4", "<f8", "<i4", "<i8"})
 _REDUCING = frozenset({Scenario.REDUCE, Scenario.ALLREDUCE, Scenario.REDUCE_SCATTER})
 
@@ -385,3 +393,155 @@ def transfer(comm: Any, fp: Fingerprint, rank: int, op0: np.ndarray | None,
     if scenario == Scenario.ALLTOALL:
         return lambda: comm.Ialltoall(raw(send), raw(recv))
     raise ValueError(f"no MPI collective for {Scenario(scenario).name}")
+
+
+class LaneTurn(Collective):
+    """A call of one of the world's collectives over MPI (`MPIPort.collective`):
+    its turn in the lane, the opening exchange, then (if the data did not ride in
+    it) MPI's collective moves the data. A call that ends before its turn is over
+    still takes it, with a block that says why."""
+
+    __slots__ = ("lane", "op", "index")
+
+    def __init__(self, lane: Lane) -> None:
+        self.lane = lane
+        self.op: Op | None = None  # its place among the collectives MPI runs
+        self.index = 0  # ... which stays known once it left the lane
+
+    def join(self, call: CollectiveCall) -> tuple[int, str] | None:
+        self.op = self.lane.admit(call.fp)  # (its fingerprint first: see Lane._pump)
+        self.index = self.op.index
+        return None
+
+    def reject(self, call: CollectiveCall, failed: CallFailed) -> None:
+        self.op = self.lane.admit()
+        self.index = self.op.index
+        self.leave(call, failed.code, failed.detail)
+
+    def run(self, call: ScheduleCall) -> Generator[Wait, Any, bool]:
+        if self.op is None:
+            return False
+        try:
+            return (yield from self._by_mpi(call))
+        except BaseException:
+            call.abandon()
+            raise
+
+    def _by_mpi(self, call: ScheduleCall) -> Generator[Wait, Any, bool]:
+        """Take our turn in the lane: the opening exchange, then (if the data did not
+        ride in it) MPI's collective moves it. False: MPI cannot, the schedule must."""
+        args, dev, comm, op, lane, fp = call.args, call.dev, call.comm, self.op, self.lane, call.fp
+        assert comm is not None and op is not None and fp is not None
+        path = dev.datapath(args)
+        reach = call.reach()
+        op0, _, res = (dev.array(address, path.dtype, n) if n else None
+                       for address, n in zip((args.addr_0, args.addr_1, args.addr_2), reach))
+        inline = blocks.fits(fp)
+        if not op.issued:  # (else it took its turn while pending: the schedule runs it)
+            block = np.empty(blocks.BLOCK, np.uint8)
+            mine = blocks.share(fp, comm.rank)
+            blocks.encode(block, fp, op0[:mine] if inline and mine and op0 is not None else None)
+            moves = None
+            if not inline and runs_natively(fp):
+                moves = transfer(lane.comm, fp, comm.rank, op0, res)
+            lane.start(op, block, moves)
+        try:
+            why = op.turn.value if op.turn.done else (yield op.turn)
+            if isinstance(why, Aborted):  # a peer left the world: it never runs
+                raise CallFailed(RECEIVE_TIMEOUT, str(why), error=why)
+            if why:
+                raise CallFailed(RECEIVE_TIMEOUT, why)
+            opened = op.opening.value if op.opening.done else (yield op.opening)
+            if isinstance(opened, Aborted):
+                raise CallFailed(RECEIVE_TIMEOUT, str(opened), error=opened)
+        except CallFailed as failed:
+            if not call.failure and call.aborting is None and failed.code == RECEIVE_TIMEOUT:
+                self.leave(call, failed.code, failed.detail, timed_out=True)
+            raise
+        if isinstance(opened, str):
+            raise CallFailed(ErrorCode.DMA_INTERNAL_ERROR, f"MPI failed: {opened}")
+        gathered, agreed, moving = opened
+        if not agreed:  # fails, or some rank's call was pending: the schedule runs it
+            self._verdict(call, blocks.read(gathered, comm.size))
+            return False
+        if inline:
+            blocks.settle(fp, comm.rank, gathered, op0, res, path.combine)
+            return True
+        if not moving:
+            return False
+        error = op.moved.value if op.moved.done else (yield op.moved)
+        if isinstance(error, Aborted):
+            raise CallFailed(RECEIVE_TIMEOUT, str(error), error=error)
+        if error:
+            raise CallFailed(ErrorCode.DMA_INTERNAL_ERROR, f"MPI failed: {error}")
+        return True
+
+    @staticmethod
+    def _verdict(call: CollectiveCall, exchanged: list[blocks.Block]) -> None:
+        """Fail our call as every rank does, from the same blocks (which do not all
+        `agree`): a peer's call did not run, or does not match ours. Return if they
+        only say that some rank's call was pending (every rank's runs, later)."""
+        comm, fp = call.comm, call.fp
+        assert comm is not None and fp is not None
+        for k, block in enumerate(exchanged):
+            if block.state not in (blocks.RUNS, blocks.PENDING) and k != comm.rank:
+                call.quiet = True  # the peer told everyone, in its block
+                why = block.why
+                if block.state == blocks.ABORTED:
+                    raise CallFailed(MISMATCH, why, error=Aborted(why))
+                raise CallFailed(block.code, why)
+        for k, block in enumerate(exchanged):
+            if block.fp != fp:
+                call.quiet = True  # every rank sees the same mismatch
+                raise CallFailed(*mismatch(fp, block.fp, call.dev.session, comm.sessions[k]))
+        if any(block.state == blocks.PENDING for block in exchanged):
+            return
+        raise CallFailed(ErrorCode.DMA_INTERNAL_ERROR, "the opening's blocks disagree, "
+                         "yet every rank's call runs, as ours does")
+
+    def leave(self, call: CollectiveCall, code: int, why: str | None,
+              timed_out: bool = False) -> None:
+        """Our call ends before its turn in the lane is over: it still takes its
+        turn, with a block that says why (MPI must see the same collectives on every
+        rank); if its opening is in flight and we gave up on the peers, the calls
+        queued behind it fail at once."""
+        op, lane, comm = self.op, self.lane, call.comm
+        if op is None or comm is None:
+            return
+        self.op = None
+        if not op.issued:
+            fp = call.fp or (call.args.scenario, call.args.count, "", "", None, None, comm.size)
+            block = np.empty(blocks.BLOCK, np.uint8)
+            blocks.encode(block, fp, state=blocks.FAILED if code else blocks.ABORTED,
+                          code=code, why=call.notice(code, why))
+            lane.withdraw(op, block)
+        elif timed_out and not op.opening.done:
+            lane.abandoned(op, f"it was queued behind rank {call.dev.session}'s "
+                               f"{call.describe()}, which gave up on its peers while MPI "
+                               "still matched it (it fails until they come)")
+
+    def abandon(self, call: CollectiveCall) -> None:
+        if call.aborting is not None:
+            self.leave(call, 0, str(call.aborting))
+        elif call.failure:
+            self.leave(call, call.failure, call.failure_detail)
+
+    def abort(self, call: CollectiveCall, why: str) -> None:
+        self.leave(call, 0, why)
+
+    def peers_waited(self, call: CollectiveCall, wait: Wait) -> list[int] | None:
+        if not isinstance(wait, Matched) or call.comm is None:
+            return None
+        # every other member, but one that left after its part of this collective
+        index, gone, me = self.index, call.dev.gone_lane, call.dev.session
+        return [s for s in call.comm.sessions if s != me and not index < gone.get(s, 0)]
+
+    def waiting_for(self, call: CollectiveCall, wait: Wait) -> str | None:
+        if not isinstance(wait, Matched):
+            return None
+        peers = call.peers_waited(wait)
+        who = f"rank{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))}"
+        stage = "allgather that opens" if self.op is not None and wait is self.op.opening \
+            else "collective that moves the data of"
+        return (f"MPI's {stage} the collective with {who}"
+                + (" (MPI does not say which of them is missing)" if len(peers) > 1 else ""))

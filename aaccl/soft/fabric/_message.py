@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -12,6 +12,10 @@ from ..._constants import ReduceFunction, Scenario
 from .._engine import Engine, Wait
 
 if TYPE_CHECKING:
+    from .._calls._collective import CollectiveCall
+    from .._calls._schedule import ScheduleCall
+    from .._calls._state import Comm
+    from .._failure import CallFailed
     from ._inbox import Inbox
 
 Key = tuple[Any, ...]
@@ -87,18 +91,93 @@ class Message:
         self.notice: tuple[int, str] | None = None  # an abort notice: (retcode, why)
 
 
-class Port(Protocol):
+class Collective:
+    """How a fabric takes part in one rank's call of a collective, beyond the
+    messages of the call's schedule (`Port.collective` says which, per call).
+    These defaults do nothing: the schedule runs the collective over messages.
+
+    In process, the ranks' calls report to a roll call that compares them at once,
+    and a small allreduce meets its peers in shared memory (`_inprocess`); over MPI,
+    the world communicator's collectives take their turn in the lane (`_lane`), and
+    a gather's or reduce's root announces its call (`_mpi`)."""
+
+    __slots__ = ()
+
+    def join(self, call: CollectiveCall) -> tuple[int, str] | None:
+        """The call is admitted, its fingerprint known: the mismatch with a peer's
+        call that the fabric finds now (retcode, why), if any."""
+        return None
+
+    def reject(self, call: CollectiveCall, failed: CallFailed) -> None:
+        """The call can never run (`failed`, at submission): it takes its place
+        among the fabric's collectives all the same."""
+
+    def run(self, call: ScheduleCall) -> Generator[Wait, Any, bool]:
+        """Run before the schedule: True if the collective is done, False if the
+        schedule is to run it."""
+        return False
+        yield  # a generator
+
+    def abandon(self, call: CollectiveCall) -> None:
+        """The call will never run or ends early: its peers must not wait for it."""
+
+    def abort(self, call: CollectiveCall, why: str) -> None:
+        """The call never runs: a call it waits for failed, or it was aborted."""
+
+    def peers_waited(self, call: CollectiveCall, wait: Wait) -> list[int] | None:
+        """The sessions a wait of the fabric's depends on (None: not the fabric's)."""
+        return None
+
+    def waiting_for(self, call: CollectiveCall, wait: Wait) -> str | None:
+        """What a wait of the fabric's waits for, in words (None: not the fabric's)."""
+        return None
+
+
+class Port:
     """A rank's connection to its fabric (called in engine context): where its
-    messages arrive and the engine that runs its calls."""
+    messages arrive and the engine that runs its calls, and what else the fabric
+    offers its soft CCLO. These defaults are a fabric that offers nothing else."""
 
     inbox: Inbox
     engine: Engine
+    poller: Any = None
+    """What the host polls while it waits for a call, if anything (`ACCL._poller`)."""
 
     def post(self, dst: int, msg: Message, timeout_code: int) -> Wait | None:
         """Deliver `msg` to session `dst`. None: the send is done (the data was
         copied); otherwise a Wait that is set once the receiver has the data. Its
         `expire` withdraws the message if no receive has taken it yet, and the
         sender then fails with `timeout_code`."""
-        ...
+        raise NotImplementedError
 
-    def close(self) -> None: ...
+    def collective(self, call: CollectiveCall) -> Collective | None:
+        """How this fabric takes part in `call`'s collective (at submission, once
+        its communicator and sequence number are known); None: it runs over
+        messages alone."""
+        return None
+
+    def skip(self, comm: Comm, prefix: Key, reason: str) -> None:
+        """The host rejected a collective `prefix` of `comm`: it takes its place
+        among the fabric's collectives all the same."""
+
+    def register(self, activity: Callable[[], str]) -> None:
+        """How others can see what this session's CCLO is doing (for their errors)."""
+
+    def activity(self, session: int) -> str | None:
+        """What `session`'s CCLO is doing now, in words, if this fabric can tell."""
+        return None
+
+    def watch(self, busy: Callable[[], bool]) -> None:
+        """`busy()` says whether the device has calls under way (any thread)."""
+
+    def lane_done(self) -> int:
+        """How many of the world's collectives the fabric is done with here (told to
+        peers when this rank leaves its world)."""
+        return 0
+
+    def peer_left(self, lane_done: int, why: str) -> None:
+        """A peer left the world after the fabric finished `lane_done` of the world's
+        collectives there."""
+
+    def close(self) -> None:
+        pass

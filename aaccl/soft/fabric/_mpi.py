@@ -58,16 +58,23 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..._constants import Scenario
 from ..._errors import Aborted
 from .._engine import Engine, Wait
+from . import _blocks as blocks
 from ._inbox import Inbox
-from ._lane import Lane
-from ._message import Message, MessageState
+from ._lane import Lane, LaneTurn
+from ._message import Collective, Key, Message, MessageState, Port
+
+if TYPE_CHECKING:
+    from .._calls._collective import CollectiveCall
+    from .._calls._schedule import ScheduleCall
+    from .._calls._state import Comm
 
 HEADER, ACK, WITHDRAW = 1, 2, 3
 READY, WITHDRAWN, PUSH = 0, 1, 2
@@ -809,7 +816,35 @@ class _Awaited(Wait):
         return self.fabric._withdraw(self)
 
 
-class MPIPort:
+_ROOT_RECEIVES = frozenset({Scenario.GATHER, Scenario.REDUCE})
+"""Collectives whose root sends nothing: nothing of its call reaches its peers."""
+
+
+class _Announce(Collective):
+    """A gather's or reduce's root only receives: over MPI, where no roll call or
+    opening compares the members' calls, it tells them its call, so that a rank that
+    takes another for the root fails at once, as in process, and no rank waits out
+    its timeout in a collective that its peers have left for the next one."""
+
+    __slots__ = ()
+
+    def run(self, call: ScheduleCall) -> Generator[Wait, Any, bool]:
+        comm, dev = call.comm, call.dev
+        assert comm is not None
+        for peer in comm.sessions:
+            if peer != dev.session:
+                msg = Message(dev.session, ("fp", comm.key, call.seq), call.seq, 0, None,
+                              eager=True)
+                msg.fp = call.fp
+                dev.port.post(peer, msg, 0)
+        return False  # the schedule runs it
+        yield  # a generator
+
+
+_ANNOUNCE = _Announce()
+
+
+class MPIPort(Port):
     def __init__(self, fabric: MPIFabric) -> None:
         self.fabric = fabric
         self.inbox, self.engine = fabric.inbox, fabric.engine
@@ -821,6 +856,26 @@ class MPIPort:
         """Where the collectives of communicator `comm_key` (its sessions) go: MPI's
         collectives for the world's communicator, the messages for any other."""
         return self.fabric.lane if comm_key == self.fabric.world_key else None
+
+    def collective(self, call: CollectiveCall) -> Collective | None:
+        """The world's collectives take their turn in the lane (but on kernel streams:
+        over messages); elsewhere, a gather's or reduce's root announces its call."""
+        comm, args = call.comm, call.args
+        assert comm is not None
+        lane = self.lane(comm.key)
+        if lane is not None and not args.stream_flags:
+            return LaneTurn(lane)
+        if args.scenario in _ROOT_RECEIVES and comm.size > 1 and comm.rank == args.root_src_dst:
+            return _ANNOUNCE
+        return None
+
+    def skip(self, comm: Comm, prefix: Key, reason: str) -> None:
+        lane = self.lane(comm.key)
+        if lane is not None:  # it takes its turn among the collectives MPI runs, too
+            block = np.empty(blocks.BLOCK, np.uint8)
+            blocks.encode(block, (0, None, "", "", None, None, comm.size),
+                          state=blocks.ABORTED, why=reason)
+            lane.withdraw(lane.admit(), block)
 
     def peer_left(self, lane_done: int, why: str) -> None:
         """A peer left the world after MPI finished `lane_done` of the world's
