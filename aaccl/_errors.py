@@ -22,7 +22,8 @@ class CCLOError(ACCLError):
         message = f"{operation} failed on the CCLO: {names} (retcode {int(code):#x})"
         super().__init__(message if detail is None else f"{message}: {detail}")
 
-    def __reduce__(self):  # keeps the arguments across pickling (e.g. to another process)
+    def __reduce__(self) -> tuple[type[CCLOError], tuple[str, int, str | None]]:
+        """Keeps the arguments across pickling (e.g. to another process)."""
         return type(self), (self.operation, int(self.code), self.detail)
 
 

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 import aaccl
 from aaccl._constants import TAG_ANY, CompressionFlags, ErrorCode, Scenario, StreamFlags
 from aaccl.devices import CallArgs, DeviceCall
-from aaccl.driver import Driver, _driver
+from aaccl.devices._base import in_sequence
+from aaccl.driver import Driver
 from aaccl.driver import _firmware as fw
 from aaccl.soft import SoftDevice
 from test_collectives import sweep
@@ -238,7 +239,7 @@ class Recording:
 def test_in_sequence_succeeds_once_the_last_step_has() -> None:
     device, whole = Recording(), call(Scenario.ALLREDUCE, 3)
     steps = [call(Scenario.REDUCE, 1), call(Scenario.BCAST, 2)]
-    result = _driver.in_sequence(device, whole, steps)  # type: ignore[arg-type]
+    result = in_sequence(device, whole, steps)  # type: ignore[arg-type]
     assert result.wait(1) and not result.failed and result.args == whole
     assert device.started == steps and result.started
 
@@ -246,7 +247,7 @@ def test_in_sequence_succeeds_once_the_last_step_has() -> None:
 def test_in_sequence_fails_as_its_first_failed_step_and_runs_no_later_one() -> None:
     device = Recording({2: int(ErrorCode.RECEIVE_TIMEOUT_ERROR)})
     steps = [call(Scenario.ALLREDUCE, 1), call(Scenario.REDUCE, 2), call(Scenario.BCAST, 3)]
-    result = _driver.in_sequence(device, call(Scenario.ALLREDUCE, 6), steps)  # type: ignore[arg-type]
+    result = in_sequence(device, call(Scenario.ALLREDUCE, 6), steps)  # type: ignore[arg-type]
     assert result.wait(1) and result.retcode == ErrorCode.RECEIVE_TIMEOUT_ERROR
     assert not result.aborted and device.started == steps[:2]
     error = Driver.error(result, "allreduce")
@@ -257,7 +258,7 @@ def test_in_sequence_after_a_failed_dependency_never_runs() -> None:
     failed = DeviceCall(None)
     failed.complete(error=RuntimeError("boom"))
     device = Recording()
-    result = _driver.in_sequence(device, call(Scenario.BCAST, 2),  # type: ignore[arg-type]
+    result = in_sequence(device, call(Scenario.BCAST, 2),  # type: ignore[arg-type]
                                  [call(Scenario.BCAST, 1), call(Scenario.BCAST, 1)], [failed])
     assert result.wait(1) and result.aborted and device.started == []
     assert isinstance(Driver.error(result, "bcast"), aaccl.DependencyError)

@@ -17,7 +17,7 @@ from aaccl import _exchmem as xm
 from aaccl import CCLOError, DependencyError, ErrorCode
 from aaccl._constants import TAG_ANY, ConfigFunction, Scenario
 from aaccl.api import ACCL, Buffer
-from aaccl.devices import CallArgs, DeviceCall
+from aaccl.devices import CallArgs, Device, DeviceCall
 from aaccl.devices import _serial, _xrt
 from aaccl import DeviceError, DeviceStuck
 from aaccl.devices._xrt import INSTALL_HINT, XRTDevice, available
@@ -72,7 +72,7 @@ def finish(*calls: DeviceCall) -> None:
         assert call.wait(5), f"{call.args} never completed"
 
 
-class RecordingDevice:
+class RecordingDevice(Device):
     """The plainest device: a dict for exchange memory, every call succeeds at once."""
 
     timer_hz = 250_000_000
@@ -107,6 +107,9 @@ class RecordingDevice:
         call = DeviceCall(args)
         call.complete()
         return call
+
+    def run(self, job: Any, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
+        raise AssertionError("configuring runs no host job")
 
     def close(self) -> None:
         pass

@@ -109,10 +109,8 @@ def _holds(device: Device, address: int, data: np.ndarray) -> bool:
     """Whether device memory at `address` holds `data`'s bytes already, so that syncing
     them in would change nothing an earlier call reads there."""
     want = data.reshape(-1).view(np.uint8)
-    view = getattr(device, "array", None)  # the soft CCLO's memory, without a copy
-    if view is not None:
-        have = view(address, np.dtype(np.uint8), want.size)
-    else:
+    have = device.array(address, np.dtype(np.uint8), want.size)  # the soft CCLO's: no copy
+    if have is None:
         have = np.empty_like(want)
         device.read(address, have)
     if want.size <= _CHUNK:
@@ -166,7 +164,7 @@ class ACCL:
         self._closed = False
         self._departed = False  # told the other ranks it left (`_depart`)
         # progress a waiting task makes itself (the MPI fabric), see _bridge.wait
-        self._poller: _bridge.Poller | None = getattr(driver.device, "poller", None)
+        self._poller: _bridge.Poller | None = driver.device.poller
 
     @classmethod
     async def open(cls, driver: Driver) -> ACCL:
@@ -204,15 +202,18 @@ class ACCL:
             await self._settle()
             await anyio.to_thread.run_sync(self._driver.close)
 
+    # -- lifecycle: what aaccl's worlds (`open_world`, `run`), its test runner
+    # (aaccl.testing) and its pyaccl layer (aaccl.compat) do with a rank beyond the
+    # public API. Internal; nothing else reaches into a rank's calls or device.
+
     async def _settle(self) -> None:
         """Wait until every outstanding call has ended; abort at once those whose
         await was cancelled (`wait_for`, a timeout scope): nobody waits for them."""
-        abort = getattr(self._driver.device, "abort_calls", None)
-        if abort is not None:
-            with self._lock:
-                given_up = [c._device for c in self._outstanding if c._given_up]
-            if given_up:
-                abort(given_up, "its await was cancelled and its rank left the world")
+        with self._lock:
+            given_up = [c._device for c in self._outstanding if c._given_up]
+        if given_up:
+            self._driver.device.abort_calls(
+                given_up, "its await was cancelled and its rank left the world")
         while True:
             with self._lock:
                 pending = next(iter(self._outstanding), None)
@@ -225,16 +226,14 @@ class ACCL:
     def _depart(self, reason: str) -> None:
         """Tell every other rank that this one leaves the world, and why (where the
         device can: the soft CCLO), so their calls waiting for it fail at once."""
-        leave = getattr(self._driver.device, "leave", None)
-        if leave is not None and not self._departed:
+        if not self._departed:
             self._departed = True
-            leave(reason, range(self._size))
+            self._driver.device.leave(reason, range(self._size))
 
     def _rejected(self, op: str, signature: inspect.Signature, args: tuple[Any, ...],
                   kwargs: dict[str, Any], exc: Exception) -> None:
         """Tell the communicator that this rank's collective `op` will not happen."""
-        skip = getattr(self._driver.device, "skip_collective", None)
-        if skip is None or self._closed:
+        if self._closed:
             return
         try:
             comm_id = signature.bind(*args, **kwargs).arguments.get("comm_id", GLOBAL_COMM)
@@ -243,27 +242,46 @@ class ACCL:
         if isinstance(comm_id, bool) or not isinstance(comm_id, int) \
                 or not 0 <= comm_id < len(self._driver.communicators):
             return  # no communicator to tell
-        skip(self._driver.communicators[comm_id][0],
-             f"rank {self._rank} rejected its {op}: {type(exc).__name__}: {exc}")
+        self._driver.device.skip_collective(
+            self._driver.communicators[comm_id][0],
+            f"rank {self._rank} rejected its {op}: {type(exc).__name__}: {exc}")
 
     def _abort(self, reason: str) -> None:
         """End every outstanding call of this rank at once with `Aborted(reason)`,
         where the device can (the soft CCLO); a card's running call ends in its own
         time. The rank stays open."""
-        abort = getattr(self._driver.device, "abort", None)
-        if abort is not None:
-            abort(reason)
+        self._driver.device.abort(reason)
+
+    def _settle_blocking(self) -> None:
+        """_settle for a thread without an event loop (aaccl.compat): block until every
+        call outstanding now has ended."""
+        with self._lock:
+            pending = list(self._outstanding)
+        for call in pending:
+            call._block()
 
     def _close_blocking(self) -> None:
         """aclose for a thread without an event loop (aaccl.compat)."""
         if self._closed:
             return
         self._closed = True
-        with self._lock:
-            pending = list(self._outstanding)
-        for call in pending:
-            call._block()
+        self._settle_blocking()
         self._driver.close()
+
+    def _unfinished(self) -> tuple[str, ...]:
+        """The names of this rank's calls not finished yet (for reports)."""
+        with self._lock:
+            return tuple(c.name for c in self._outstanding if not c.done())
+
+    def _peers_gone(self) -> dict[int, str]:
+        """The ranks known to have left this rank's world, and why (`Device.gone`)."""
+        return dict(self._driver.device.gone)
+
+    def _peers_missing(self) -> Callable[[], str | None] | None:
+        """What says why a peer will never come where every rank meets (the MPI
+        fabric's `missing`: its process ended), or None on devices without it: they
+        bound such waits by the timeout (`Device.missing`)."""
+        return self._driver.device.missing
 
     # -- memory and communicators ---------------------------------------------------
 
@@ -464,10 +482,7 @@ class ACCL:
         self._check_open()
         device = self._driver.device
         if isinstance(target, str):
-            if not hasattr(device, "overlay_kernel"):
-                raise TypeError(f"kernel {target!r}: kernels by name are an overlay's, under "
-                                "device='pynq'; on this device a kernel is a Python callable")
-            name, target = name or target, cast(Any, device).overlay_kernel(target)
+            name, target = name or target, device.overlay_kernel(target)
         hardware = on_card(device, target)
         label = name or str(getattr(target, "__name__", type(target).__name__))
         return Kernel(self, target, label, hardware)

@@ -82,7 +82,7 @@ def allocate(device: Device, owner: object, shape: int | tuple[int, ...],
     return buf
 
 
-def _free(device_ref: weakref.ref, address: int) -> None:
+def _free(device_ref: weakref.ref[Device], address: int) -> None:
     device = device_ref()
     if device is not None:
         try:

@@ -54,15 +54,13 @@ class Kernel:
                waitfor: Sequence[Any]) -> Any:
         """The device call of one run (arguments checked by the caller)."""
         if self._on_card:
-            card: Any = device  # PynqDevice: the one device with kernels of its own
-            return card.start_kernel(self._target, args, waitfor)
+            return device.start_kernel(self._target, args, waitfor)
         return device.run(python_job(device, self._target, args, kwargs), waitfor)
 
 
 def on_card(device: Device, target: Any) -> bool:
     """Whether `target` is a kernel of the card (True) or a Python callable (False)."""
-    if hasattr(device, "start_kernel") and hasattr(target, "start") \
-            and not hasattr(target, "__code__"):
+    if device.is_card_kernel(target):
         return True
     if callable(target):
         return False
@@ -85,40 +83,30 @@ def attach_stream(device: Device, target: Any, owner: object) -> None:
             raise TypeError("a stream kernel is a Python callable, kernel(chunk, tag) -> "
                             f"array or None, or a Kernel of this rank, not {type(target).__name__}")
         name = str(getattr(target, "__name__", type(target).__name__))
-    attach = getattr(device, "attach_stream", None)
-    if attach is None:
-        raise TypeError("attach_stream needs the soft CCLO (device='soft'): on a card the "
-                        "CCLO's kernel streams are wired to kernels when the bitstream is "
-                        "linked, and ACCL's emulator loops them back (cclo_emu -b)")
-    attach(target, name)
+    device.attach_stream(target, name)
 
 
 def python_job(device: Device, fn: Callable[..., Any], args: Sequence[Any],
                kwargs: dict[str, Any]) -> Callable[[], None]:
-    """The job that runs `fn(*args, **kwargs)` with Buffers seen as device memory."""
-    array: Callable[[int, np.dtype, int], np.ndarray] | None = getattr(device, "array", None)
-    if array is not None:  # the soft CCLO: in place
-        def view(buf: Buffer) -> np.ndarray:
-            return array(buf.device_address, buf.dtype, buf.size).reshape(buf.shape)
-
-        def in_device_memory() -> None:
-            bound, named = _bind(args, kwargs, view)
-            fn(*bound, **named)
-        return in_device_memory
-
-    def staged() -> None:  # a remote memory: read, run, write back
+    """The job that runs `fn(*args, **kwargs)` with Buffers seen as device memory: in
+    place where the device has it in this process (`Device.array`: the soft CCLO),
+    else on copies read before the run and written back after."""
+    def job() -> None:
         copies: dict[int, tuple[Buffer, np.ndarray]] = {}
 
-        def copy(buf: Buffer) -> np.ndarray:  # a buffer passed twice is one array
-            if id(buf) not in copies:
+        def as_array(buf: Buffer) -> np.ndarray:
+            view = device.array(buf.device_address, buf.dtype, buf.size)
+            if view is not None:
+                return view.reshape(buf.shape)
+            if id(buf) not in copies:  # a buffer passed twice is one array
                 copies[id(buf)] = buf, np.empty(buf.shape, buf.dtype)
                 device.read(buf.device_address, copies[id(buf)][1])
             return copies[id(buf)][1]
-        bound, named = _bind(args, kwargs, copy)
+        bound, named = _bind(args, kwargs, as_array)
         fn(*bound, **named)
         for buf, data in copies.values():
             device.write(buf.device_address, data)
-    return staged
+    return job
 
 
 def _bind(args: Sequence[Any], kwargs: dict[str, Any], as_array: Callable[[Buffer], np.ndarray],

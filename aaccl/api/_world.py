@@ -29,7 +29,7 @@ from ..soft import InProcessFabric, SoftDevice
 from ._accl import ACCL
 
 if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup, ExceptionGroup
+    from exceptiongroup import BaseExceptionGroup
 
 T = TypeVar("T")
 DEVICES = ("soft", "emulator", "xrt", "pynq")
@@ -379,6 +379,7 @@ async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: 
         wait: float | None = timeout  # for the peers, on closing (see below)
         try:
             dev = SoftDevice(fabric.rank, fabric.port(fabric.rank), in_order=in_order)
+            dev.missing = fabric.missing  # a peer whose process ended never comes
             accl = await _open(dev, fabric.rank, _ranks(size, bufsize), nbufs, bufsize, timeout,
                                stack)
             try:
@@ -507,29 +508,20 @@ def _first_failure(errors: dict[int, BaseException]) -> BaseException:
     first = own[min(own)]
     if all(type(e) is type(first) and str(e) == str(first) for e in own.values()):
         return first
-    group = BaseExceptionGroup if any(not isinstance(e, Exception) for e in own.values()) \
-        else ExceptionGroup
-    return group(f"{len(own)} ranks failed (ranks {', '.join(map(str, sorted(own)))})",
-                 [own[r] for r in sorted(own)])
+    ranks = ", ".join(map(str, sorted(own)))  # (an ExceptionGroup if all are Exceptions)
+    return BaseExceptionGroup(f"{len(own)} ranks failed (ranks {ranks})",
+                              [own[r] for r in sorted(own)])
 
 
 async def _gather_results(mine: Any, accl: ACCL, timeout: float) -> list[Any]:
     """Every MPI rank's result, once all have one, however long their own code takes
     (over the MPI fabric; on other devices, up to `timeout`). A rank that died makes
     this fail as soon as the launcher or the fabric says so: never a hang."""
-    me, missing = accl.rank, peers_missing(accl)
+    me, missing = accl.rank, accl._peers_missing()
     return await gather_every_rank(
         mine, None if missing else timeout, lambda ended:
         f"rank {me} cannot gather every rank's result: {ended}" if ended
         else f"not every rank finished within {timeout} s of rank {me}", missing)
-
-
-def peers_missing(accl: ACCL) -> Callable[[], str | None] | None:
-    """`accl`'s MPI fabric's `missing` (why a peer will never come where every rank
-    meets: its process ended), or None on devices without one (they bound such waits
-    by the timeout)."""
-    fabric = getattr(getattr(accl._driver.device, "port", None), "fabric", None)
-    return getattr(fabric, "missing", None)
 
 
 def _gathered(mine: Any, why_not: Callable[[str | None], str]

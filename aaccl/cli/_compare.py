@@ -163,7 +163,7 @@ def compare(program: Program, world_size: int, *, emulator_port: int = DEFAULT_P
     """Run `program` on the soft CCLO (portable options) and on the emulator; return
     the differences, in words (none: the same bytes on every rank). A run that raises
     is a difference too."""
-    outcomes = []
+    outcomes: list[list[Any] | Exception] = []
     for name, device in (("soft", {"device": "soft", **PORTABLE}),
                          ("emulator", {"device": "emulator", "emulator_port": emulator_port})):
         try:

@@ -85,7 +85,7 @@ def settings(nranks: Any, local_rank: Any, ranks: Any, protocol: Any, nbufs: Any
         size=size, rank=rank, mode=mode, protocol=protocol or ("TCP" if sim_mode else "AXIS"),
         nbufs=int(nbufs), bufsize=int(bufsize),
         records=_records(size, ranks, int(bufsize), soft=mode == "soft"), arith=arith,
-        emulator=None if mode != "emulator" else _zmq_address(sim_sock, rank),
+        emulator=_zmq_address(sim_sock, rank) if sim_mode and sim_sock is not None else None,
         xclbin=None if xclbin is None else os.fspath(xclbin),
         board_idx=0 if board_idx is None else integer(board_idx, "board_idx"),
         cclo_idx=integer(cclo_idx, "cclo_idx"))

@@ -151,6 +151,7 @@ def join_mpi(wanted: Settings | Exception, open_rank: Callable[[SoftDevice], T],
         fabric = MPIFabric(comm, wanted.nbufs, wanted.bufsize)
         try:
             device = SoftDevice(me, fabric.port(me))
+            device.missing = fabric.missing  # a peer whose process ended never comes
             failed: BaseException | None = None
             try:
                 opened = open_rank(device)
@@ -226,10 +227,7 @@ class _MPIPlace:
         """Like leaving `aaccl.run`'s world: what this rank sent may still be needed, so
         its calls end first; then it tells the others it left (their calls waiting for
         it fail at once), and waits up to `timeout` for every process to close."""
-        with accl._lock:
-            pending = list(accl._outstanding)
-        for call in pending:
-            call._block()
+        accl._settle_blocking()
         accl._depart("its accl was closed (deinit)")
         try:
             accl._close_blocking()

@@ -46,7 +46,7 @@ import numpy as np
 from .. import _exchmem as xm
 from .._constants import ConfigFunction, ErrorCode, Scenario
 from .._errors import DeviceError
-from ._base import CallArgs, DeviceCall, joined
+from ._base import CallArgs, Device, DeviceCall, joined
 from ._hostdeps import start_after
 from ._jobs import HostJobs, Job
 from ._poll import FIRST_SLEEP, LONGEST_SLEEP
@@ -75,11 +75,12 @@ class _Run:
         self.deps = deps  # chained on the card: ERT waits for their runs, whatever their retcode
 
 
-class PynqDevice:
+class PynqDevice(Device):
     """One CCLO of an Alveo card, driven through PYNQ."""
 
     timer_hz = 250_000_000  # the CCLO's clock, in which SET_TIMEOUT counts
     runs_accl_firmware = True  # the driver steers clear of the firmware's known faults
+    enforces_call_timeout = True  # see set_call_timeout
 
     def __init__(self, xclbin: str | os.PathLike[str], *, device_index: int = 0,
                  cclo_index: int = 0, memory_bank: Any = None) -> None:
@@ -191,6 +192,10 @@ class PynqDevice:
         """The overlay's kernel `name` (as PYNQ names it: "vadd_1"), for `start_kernel`."""
         with _SETUP:
             return _ip(self._overlay, name)
+
+    def is_card_kernel(self, target: object) -> bool:
+        """PYNQ's kernel objects (`overlay.vadd_1`) start runs; Python callables do not."""
+        return hasattr(target, "start") and not hasattr(target, "__code__")
 
     def start_kernel(self, kernel: Any, args: Sequence[Any],
                      waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:

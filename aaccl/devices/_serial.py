@@ -26,7 +26,7 @@ from typing import Any
 from .. import _exchmem as xm
 from .._constants import ConfigFunction, ErrorCode, Scenario
 from .._errors import DeviceError, DeviceStuck
-from ._base import CallArgs, DeviceCall
+from ._base import CallArgs, Device, DeviceCall
 from ._hostdeps import start_after
 from ._jobs import HostJobs, Job
 
@@ -38,7 +38,7 @@ LOCAL = frozenset({Scenario.CONFIG, Scenario.COPY, Scenario.COMBINE, Scenario.NO
 """Calls that move no message: they may start before an earlier call that waits."""
 
 
-class SerialDevice:
+class SerialDevice(Device):
     """The call queue and runner thread of a device that runs one call at a time.
 
     Subclasses start a call (`_launch`, returning a handle), wait for it (`_wait`,
@@ -48,6 +48,7 @@ class SerialDevice:
 
     timer_hz = 250_000_000  # the CCLO's clock, in which the firmware counts its timeout
     runs_accl_firmware = True  # the driver steers clear of the firmware's known faults
+    enforces_call_timeout = True  # see set_call_timeout
     config_timeout = 30.0  # seconds a configuration call may take: it waits for no peer
     stuck_remedy = "reset the device"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -28,7 +29,6 @@ from .._constants import (
 )
 from .._errors import Aborted, ACCLError, CCLOError, DependencyError, DeviceError, KernelError
 from ..devices import CallArgs, Device, DeviceCall
-from ..devices._base import joined
 from . import _firmware as firmware
 
 OperandDtypes = tuple[np.dtype | None, np.dtype | None, np.dtype | None]
@@ -90,15 +90,16 @@ def check_buffers(nbufs: Any, bufsize: Any, nranks: int | None = None,
 def check_timeout(device: Device, seconds: Any) -> float:
     """`seconds` if the device can hold it as a call's timeout, else ValueError (before
     anything reaches the device). Devices that enforce the timeout on the host
-    (`set_call_timeout`) hold any; others only what SET_TIMEOUT's register does."""
-    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) \
-            or not 0 < seconds < math.inf:
+    (`enforces_call_timeout`) hold any; others only what SET_TIMEOUT's register does."""
+    real = isinstance(seconds, numbers.Real) and not isinstance(seconds, bool)
+    value = float(seconds) if real else math.nan
+    if not 0 < value < math.inf:
         raise ValueError(f"timeout must be a positive number of seconds, got {seconds!r}")
     limit = MAX_TICKS / device.timer_hz
-    if not hasattr(device, "set_call_timeout") and seconds > limit:
+    if not device.enforces_call_timeout and value > limit:
         raise ValueError(f"timeout={seconds:g} s is more than {type(device).__name__} can "
                          f"hold: its timer register counts at most {limit:g} s")
-    return float(seconds)
+    return value
 
 
 def _itemsizes(operand_dtypes: OperandDtypes) -> tuple[int, int, int]:
@@ -109,18 +110,6 @@ def _itemsizes(operand_dtypes: OperandDtypes) -> tuple[int, int, int]:
         return 0, 0, 0
     a, b, c = ((first if d is None else d).itemsize for d in operand_dtypes)
     return a, b, c
-
-
-def in_sequence(device: Device, whole: CallArgs, steps: Sequence[CallArgs],
-                waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
-    """`steps` as one device call with `whole`'s arguments: each waits for the one
-    before (the first for `waitfor`), and the call fails as the first that failed.
-    For devices without `start_steps`, where calls match by sequence, not by their
-    order on the device (the soft CCLO)."""
-    calls: list[DeviceCall] = []
-    for step in steps:
-        calls.append(device.start(step, [calls[-1]] if calls else waitfor))
-    return joined(whole, calls)
 
 
 class Driver:
@@ -227,9 +216,7 @@ class Driver:
     def _hold_timeout(self) -> None:
         """Make the device fail a call after `timeout` seconds, whatever the register
         holds: devices that enforce the timeout on the host take it in seconds."""
-        set_call_timeout = getattr(self.device, "set_call_timeout", None)
-        if set_call_timeout is not None:
-            set_call_timeout(self.timeout)
+        self.device.set_call_timeout(self.timeout)
 
     def _config_call(self, function: ConfigFunction, value: int = 0) -> None:
         call = self.device.start(CallArgs(Scenario.CONFIG, value, 0, 0, int(function), TAG_ANY,
@@ -287,7 +274,7 @@ class Driver:
             arithcfg, flags = self._operand_compression(operand_dtypes, compress_dtype)
         args = _call_args((int(scenario), count, self.communicators[comm_id][0], root_src_dst,
                            function, tag, arithcfg, int(flags), stream_flags, *addrs))
-        if not getattr(self.device, "runs_accl_firmware", False):
+        if not self.device.runs_accl_firmware:
             return self.device.start(args, waitfor)
         if scenario in firmware.RENDEZVOUS_ONLY and self.stack in ("tcp", "udp"):
             # through rendezvous notifications the stack never delivers: it would spin
@@ -303,10 +290,7 @@ class Driver:
                                     comm.local_rank)
         if steps is None:
             return self.device.start(args, waitfor)
-        start_steps = getattr(self.device, "start_steps", None)
-        if start_steps is not None:  # in one place of the device's order
-            return start_steps(args, steps, waitfor)
-        return in_sequence(self.device, args, steps, waitfor)
+        return self.device.start_steps(args, steps, waitfor)  # in one place of its order
 
     def _operand_compression(self, operand_dtypes: OperandDtypes,
                              compress_dtype: np.dtype | None) -> tuple[int, CompressionFlags]:
@@ -361,9 +345,9 @@ class Driver:
         if call.error is not None:  # a fresh exception of the device's kind, per call
             kind = type(call.error) if isinstance(call.error, ACCLError) else ACCLError
             if isinstance(call.error, KernelError):  # a soft CCLO's stream kernel raised
-                error = kind(f"{operation} failed: {call.error}")
-                error.__cause__ = call.error.__cause__
-                return error
+                failed = kind(f"{operation} failed: {call.error}")
+                failed.__cause__ = call.error.__cause__
+                return failed
             return kind(f"{operation} could not run: {call.error}")
         if call.aborted:
             return DependencyError(f"{operation} did not run: a call it waits for failed")
@@ -382,4 +366,7 @@ class Driver:
 def _add_note(error: BaseException, note: str) -> None:
     """`error.add_note(note)`, also before Python 3.11 (where the exceptiongroup
     backport that anyio installs prints `__notes__` in tracebacks)."""
-    error.__notes__ = [*getattr(error, "__notes__", ()), note]
+    if sys.version_info >= (3, 11):
+        error.add_note(note)
+    else:
+        error.__notes__ = [*getattr(error, "__notes__", ()), note]  # type: ignore[attr-defined]

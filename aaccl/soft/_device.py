@@ -17,7 +17,7 @@ import numpy as np
 from .. import _exchmem as xm
 from .._constants import ConfigFunction, ErrorCode, Scenario
 from .._errors import Aborted, DeviceError
-from ..devices import CallArgs, DeviceCall
+from ..devices import CallArgs, Device, DeviceCall
 from ..devices._jobs import HostJobs, Job
 from ._calls import CallFailed, Comm, SoftCall, make_call
 from ._datapath import Datapath, UnsupportedConfig
@@ -29,7 +29,7 @@ from .fabric._message import describe
 HWID = 0x0000_00F8  # reduction, compression and stream bits as ACCL's driver reads them
 
 
-class SoftDevice:
+class SoftDevice(Device):
     """One rank's soft CCLO. `in_order=True` runs its calls strictly one at a time in
     submission order, ready or not, as ACCL's firmware does."""
 

@@ -15,7 +15,7 @@ import inspect
 import io
 import os
 import sys
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Generator, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -240,7 +240,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     swapped = pyfuncitem.stash.get(_SWAPPED, None)
     if swapped is None or pyfuncitem.obj is not swapped:
         return None
-    checked: Plan = pyfuncitem.funcargs[WORLD]
+    checked = pyfuncitem.funcargs[WORLD]
+    assert isinstance(checked, Plan)
     args = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     anyio.run(functools.partial(swapped, **args), backend=checked.backend)
     return True
@@ -305,6 +306,8 @@ def _describe(item: pytest.Function, exc: BaseException) -> str:
     tb = exc.__traceback__
     if not item.config.getoption("fulltrace", False):
         tb = _without_aaccl_tail(tb)
+    if tb is None:  # never raised: there are no frames to show
+        return f"{type(exc).__name__}: {exc}"
     return str(item.repr_failure(pytest.ExceptionInfo.from_exc_info((type(exc), exc, tb))))
 
 
@@ -326,12 +329,13 @@ def _without_aaccl_tail(tb: TracebackType | None) -> TracebackType | None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
-                              ) -> Iterator[None]:
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
     if call.when == "call" and call.excinfo is not None and report.failed:
         failure = _world_failure(call.excinfo.value)
         if failure is not None:
-            report.longrepr = WorldReport(failure)
+            # pytest takes any object with toterminal, though it types longrepr as its own
+            report.longrepr = WorldReport(failure)  # type: ignore[assignment]
     return report
 
 

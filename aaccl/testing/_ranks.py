@@ -20,7 +20,7 @@ import pytest
 
 from .._errors import Aborted, ACCLError, DependencyError
 from ..api import ACCL, open_world
-from ..api._world import gather_every_rank, peers_missing
+from ..api._world import gather_every_rank
 from ._plan import Plan
 from ._report import ABORTED, CANCELLED, FAILED, LOST, PASSED, SKIPPED, Outcome, one_line, where
 
@@ -59,7 +59,7 @@ async def run_ranks(accls: list[ACCL], body: Body, describe: Describe, *,
                 return
             failure.append(reason)
             for accl in accls:
-                calls_then[accl.rank] = outstanding(accl)
+                calls_then[accl.rank] = accl._unfinished()
                 accl._abort(reason)
             if mpi:  # the peers' calls waiting for this rank fail now
                 accls[0]._depart(reason)
@@ -76,7 +76,7 @@ async def run_ranks(accls: list[ACCL], body: Body, describe: Describe, *,
                     place = where(exc.__traceback__) if not returned else \
                         "the end of its test, waiting for its calls"
                     ended[r] = Outcome(r, CANCELLED, where=place,
-                                       calls=_merged(calls_then.get(r, ()), outstanding(accl)))
+                                       calls=_merged(calls_then.get(r, ()), accl._unfinished()))
                     raise
                 state = _state(exc)
                 if state is None:  # interrupted, pytest.exit, or a cancel from outside
@@ -88,7 +88,7 @@ async def run_ranks(accls: list[ACCL], body: Body, describe: Describe, *,
                 ended[r] = Outcome(r, state, one_line(exc),
                                    _described(describe, exc) if state == FAILED else "",
                                    where(exc.__traceback__) if state == ABORTED else "",
-                                   _merged(calls_then.get(r, ()), outstanding(accl)))
+                                   _merged(calls_then.get(r, ()), accl._unfinished()))
                 fail(f"rank {r} failed: {one_line(exc)}")
             else:
                 ended[r] = Outcome(r, PASSED)
@@ -127,12 +127,6 @@ def _state(exc: BaseException) -> str | None:
     return FAILED
 
 
-def outstanding(accl: ACCL) -> tuple[str, ...]:
-    """The calls of a rank not finished yet."""
-    with accl._lock:
-        return tuple(c.name for c in accl._outstanding if not c.done())
-
-
 def _merged(then: tuple[str, ...], now: tuple[str, ...]) -> tuple[str, ...]:
     """A rank's calls when the world failed (since aborted) and those outstanding as
     it ended, in submission order: the first few, and how many more."""
@@ -153,9 +147,8 @@ async def _watch_peers(accl: ACCL, ended: dict[int, Outcome],
     not a call (a call waiting for that peer fails by itself)."""
     from ..soft import MPIFabric
 
-    gone: dict[int, str] = getattr(accl._driver.device, "gone", {})
     while accl.rank not in ended:
-        failed = {peer: why for peer, why in dict(gone).items()
+        failed = {peer: why for peer, why in accl._peers_gone().items()
                   if why not in (LEFT_PASSED, LEFT_SKIPPED)}
         died = MPIFabric.ended()
         if failed or died:
@@ -175,7 +168,7 @@ async def _gather(mine: Outcome, accl: ACCL, size: int, timeout: float) -> list[
         return (f"a process of the job ended: {ended}" if ended else
                 f"did not finish within {timeout} s of rank {mine.rank}")
 
-    missing = peers_missing(accl)
+    missing = accl._peers_missing()
     try:
         every = await gather_every_rank(mine, None if missing else timeout, why_not, missing)
     except ACCLError as exc:
