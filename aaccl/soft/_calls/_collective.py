@@ -7,13 +7,15 @@ one of theirs does (`_peer_failed`). How the fabric takes part in the collective
 
 from __future__ import annotations
 
+import time
+
 from ..._constants import ErrorCode, Scenario
 from ..._errors import Aborted
 from .._engine import Wait
 from ..fabric import Collective, Fingerprint, Key, Message
 from ..fabric._message import describe
 from ._state import (COLLECTIVES, MISMATCH, REDUCING, ROOTED, SIZE_MISMATCH, CallFailed, Comm,
-                     SoftCall, check_compression, describe_call)
+                     SoftCall, State, check_compression, describe_call)
 
 
 class CollectiveCall(SoftCall):
@@ -53,6 +55,17 @@ class CollectiveCall(SoftCall):
             rank, size = (0, 1) if self.comm is None else (self.comm.rank, self.comm.size)
             self.use_streams(size, args.root_src_dst == rank or args.scenario not in ROOTED)
         check_compression(args)
+
+    def start(self) -> None:
+        way = self.way
+        if way is None or self.state is not State.SUBMITTED or self.failure:
+            super().start()
+            return
+        self.state = State.RUNNING
+        self.started = time.perf_counter_ns()
+        if not way.start(self):  # type: ignore[arg-type]  # (a ScheduleCall)
+            self.body = self.run()
+            self.resume(None)
 
     def describe(self) -> str:
         fp = self.fp

@@ -213,7 +213,7 @@ class SoftCall(DeviceCall):
             self.failure_error = error
             return
         self.aborting = error
-        self._interrupt(failed)
+        self.interrupt(failed)
 
     def abort_now(self, error: Aborted) -> None:
         """End the call at once with `error` (its world is cancelled or closed):
@@ -228,9 +228,9 @@ class SoftCall(DeviceCall):
         # as a failure: a wait that cannot be withdrawn now (a data job, a peer
         # reading our data) ends the call when it is over, never a further step
         self.failure = self.failure or RECEIVE_TIMEOUT
-        self._interrupt(CallFailed(RECEIVE_TIMEOUT))
+        self.interrupt(CallFailed(RECEIVE_TIMEOUT))
 
-    def _interrupt(self, failed: CallFailed) -> None:
+    def interrupt(self, failed: CallFailed) -> None:
         """Fail what the running call waits for, if that can be withdrawn now."""
         wait = self.waiting
         if wait is not None and wait.expire():
@@ -279,9 +279,16 @@ class SoftCall(DeviceCall):
     def resume(self, value: Any, error: CallFailed | None = None) -> None:
         """Run the body until it waits for something not there yet, or ends."""
         body = self.body
-        assert body is not None
         if error is None and self.failure:  # failed while running: no further step
             error = CallFailed(self.failure, self.failure_detail)
+        if body is None:  # its fabric runs it (a meeting): its wait was withdrawn
+            if error is None:
+                self.finish(value or 0)
+                return
+            if error.error is not None and self.aborting is None:
+                self.aborting = error.error
+            self.finish(error.code, error.detail)
+            return
         while True:
             try:
                 wait = body.send(value) if error is None else body.throw(error)
@@ -311,7 +318,7 @@ class SoftCall(DeviceCall):
         self.waiting = wait
         wait.waiter = self._wake
         if wait.timeout_code:
-            self.timer = self.dev.engine.call_later(self.dev.timeout, self._expire)
+            self.timer = self.dev.engine.call_later(self.dev.timeout, self.expire)
 
     def _wake(self, wait: Wait) -> None:
         self.waiting = None
@@ -320,7 +327,7 @@ class SoftCall(DeviceCall):
             self.timer = None
         self.dev.engine.soon(self.resume, wait.value)
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
         """The deadline of the current wait passed."""
         wait, self.timer = self.waiting, None
         if wait is None:

@@ -7,17 +7,22 @@ sender's device memory, which stays put until the receiver releases it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Hashable
+import logging
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..._constants import ErrorCode, Scenario
-from .._engine import Engine, Wait
+from ..._errors import Aborted
+from .._engine import Engine, Timer, Wait
 from .._failure import CallFailed
 from ..algorithms import SMALL_ALLREDUCE_COUNT
 from ._inbox import Inbox, mismatch
 from ._message import Collective, Fingerprint, Message, MessageState, Port
+
+log = logging.getLogger("aaccl")
+RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
 
 if TYPE_CHECKING:
     from .._calls._collective import CollectiveCall
@@ -60,73 +65,107 @@ class _Handover(Wait):
 
 
 class Meeting:
-    """Where the ranks of one small collective meet in shared memory: the last to
+    """Where the ranks of one small allreduce meet in shared memory: the last to
     arrive computes everyone's result at once (O(N) work for N ranks, instead of
-    N log N messages), then sets every rank's wait.
+    N log N messages) and ends every rank's call, on the spot.
 
-    It is forgotten once every rank came or gave up, or once a rank gave up and
-    nobody waits in it any more (a rank that rejected its call never comes): a
-    rank still to come then meets in a fresh one, which can never complete either,
-    so its call fails at its deadline (or on a peer's notice) as it would here."""
+    One deadline serves the meeting: armed when the first rank sits down to wait
+    (with that rank's timeout), it fails every call still waiting then, naming the
+    ranks that never came. It is forgotten once every rank came or gave up, or once
+    a rank gave up and nobody waits in it any more (a rank that rejected its call
+    never comes): a rank still to come then meets in a fresh one, which can never
+    complete either, so its call fails at its deadline (or on a peer's notice)."""
 
-    __slots__ = ("size", "arrived", "seats", "seen", "abandoned", "_meetings", "_key", "first")
+    __slots__ = ("size", "arrived", "waiting", "seen", "abandoned", "timer", "_meetings",
+                 "_key")
 
     def __init__(self, size: int, meetings: dict[Hashable, Meeting], key: Hashable) -> None:
         self.size, self._meetings, self._key = size, meetings, key
-        self.arrived: dict[int, Any] = {}
-        self.seats: list[_Seat] = []
+        self.arrived: dict[int, tuple[np.ndarray, np.ndarray, Datapath]] = {}
+        self.waiting: dict[int, ScheduleCall] = {}  # ranks seated, waiting for the rest
         self.seen = 0
         self.abandoned = False
-        self.first: tuple[int, Fingerprint] | None = None  # who came first, with what
-
-    def check(self, session: int, fp: Fingerprint) -> tuple[int, str] | None:
-        """A rank's call against the first one's: the mismatch, if they differ."""
-        if self.first is None:
-            self.first = (session, fp)
-            return None
-        other, theirs = self.first
-        return None if theirs == fp else mismatch(fp, theirs, session, other)
-
-    def _count(self) -> None:
-        self.seen += 1
-        if self.seen == self.size:  # every rank came or gave up: nobody looks it up again
-            self._forget()
+        self.timer: Timer | None = None
 
     def _forget(self) -> None:
         if self._meetings.get(self._key) is self:
             del self._meetings[self._key]
 
-    def arrive(self, rank: int, contribution: Any,
-               compute: Callable[[list[Any]], int]) -> Wait:
-        """Take part; the Wait is set with a retcode once every rank has arrived and
-        `compute` (run by the last to arrive) has run on the contributions in rank
-        order. If a rank gave up, it is never set: the call fails at its deadline."""
-        seat = _Seat(self, rank)
-        self._count()
+    def arrive(self, call: ScheduleCall, rank: int, src: np.ndarray, dst: np.ndarray,
+               path: Datapath) -> None:
+        """Take part: the last to arrive computes and ends every call; the others
+        wait, seated. If a rank gave up, nobody computes: the calls fail at the
+        deadline (or on the notice of the rank that gave up)."""
+        self.seen += 1
+        if self.seen == self.size:  # every rank came or gave up: nobody looks it up again
+            self._forget()
         if not self.abandoned:
-            self.seats.append(seat)
-            self.arrived[rank] = contribution
-            if len(self.arrived) == self.size:
-                retcode = compute([self.arrived[r] for r in range(self.size)])
-                for each in self.seats:
-                    each.set(retcode)
-        return seat
+            arrived = self.arrived
+            arrived[rank] = (src, dst, path)
+            if len(arrived) == self.size:
+                self._compute(call, rank)
+                return
+        seat = _Seat(self, rank)
+        self.waiting[rank] = call
+        call.waiting = seat
+        if self.timer is None:
+            self.timer = call.dev.engine.call_later(call.dev.timeout, self._expire)
+
+    def _compute(self, last: ScheduleCall, rank: int) -> None:
+        """Every rank's fingerprint equals the first's (the roll call): same count and
+        dtype. Fold in rank order, as the schedules do; then end every call."""
+        arrived = self.arrived
+        retcode = 0
+        try:
+            total = arrived[0][0].copy()
+            for r in range(1, self.size):
+                src, _, path = arrived[r]
+                path.combine(total, src, total)
+            for _, d, _ in arrived.values():
+                d[...] = total
+        except Exception:  # a bug in the model fails this collective, and nothing else
+            log.exception("soft CCLO: internal error in a meeting of allreduce")
+            retcode = int(ErrorCode.DMA_INTERNAL_ERROR)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        waiting, self.waiting = self.waiting, {}
+        for call in waiting.values():
+            call.waiting = None
+            call.finish(retcode)
+        last.finish(retcode)
+
+    def _expire(self) -> None:
+        """The deadline: the calls waiting here fail (engine context)."""
+        self.timer = None
+        for call in list(self.waiting.values()):
+            call.expire()
 
     def leave(self, rank: int, arrived: bool) -> None:
         """A rank gave up (its call failed, or never ran): the others cannot finish."""
         self.abandoned = True
         self.arrived.pop(rank, None)
+        self.waiting.pop(rank, None)
         if not arrived:
-            self._count()
+            self.seen += 1
+            if self.seen == self.size:
+                self._forget()
         if not self.arrived:  # nobody waits here any more
             self._forget()
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
 
 
 class _Seat(Wait):
+    """A rank's wait in a meeting: `SoftCall.waiting` while it waits, so that an
+    abort or a peer's notice withdraws it (`expire`) as any other wait."""
+
     __slots__ = ("meeting", "rank")
 
     def __init__(self, meeting: Meeting, rank: int) -> None:
-        super().__init__(int(ErrorCode.RECEIVE_TIMEOUT_ERROR))
+        self.done, self.value, self.waiter = False, None, None
+        self.timeout_code = RECEIVE_TIMEOUT
         self.meeting, self.rank = meeting, rank
 
     def expire(self) -> bool:
@@ -155,37 +194,29 @@ class _RollCall(Collective):
 
 class _Meet(_RollCall):
     """A small allreduce meets its peers in shared memory (`Meeting`): the last to
-    come computes everyone's result, and no message is sent."""
+    come computes everyone's result and ends their calls, and no message is sent.
+    The roll call has compared the calls already: the meeting compares nothing."""
 
     __slots__ = ("met",)  # it came to the meeting, or left it
 
-    def run(self, call: ScheduleCall) -> Generator[Wait, Any, bool]:
+    def start(self, call: ScheduleCall) -> bool:
         args, dev, comm, prefix = call.args, call.dev, call.comm, call.prefix
         assert comm is not None and prefix is not None
         path = dev.datapath(args)
         src = dev.array(args.addr_0, path.dtype, args.count)
         dst = dev.array(args.addr_2, path.dtype, args.count)
-
-        def compute(contributions: list[tuple[np.ndarray, np.ndarray, Datapath]]) -> int:
-            # every rank's fingerprint equals the first's (meeting.check): same count, dtype
-            total = contributions[0][0].copy()
-            for s, _, _ in contributions[1:]:  # folded in rank order, as the schedules do
-                path.combine(total, s, total)
-            for _, d, _ in contributions:
-                d[...] = total
-            return 0
-
-        meeting = self.port.meeting(prefix, comm.size)
-        assert call.fp is not None
-        conflict = meeting.check(dev.session, call.fp)
-        if conflict is not None:
-            call.abandon()
-            raise CallFailed(*conflict)
+        meetings = self.port.fabric.meetings
+        meeting = meetings.get(prefix)
+        if meeting is None:
+            meeting = meetings[prefix] = Meeting(comm.size, meetings, prefix)
         self.met = True
-        seat = meeting.arrive(comm.rank, (src, dst, path), compute)
-        retcode = seat.value if seat.done else (yield seat)
-        if retcode:
-            raise CallFailed(retcode)
+        meeting.arrive(call, comm.rank, src, dst, path)
+        if dev.gone and call.waiting is not None:  # waits for a rank that left the world?
+            gone = [comm.sessions[r] for r in call.waiting.missing()  # type: ignore[attr-defined]
+                    if comm.sessions[r] in dev.gone]
+            if gone:
+                call.aborting = Aborted(f"rank {gone[0]} left the world: {dev.gone[gone[0]]}")
+                call.interrupt(CallFailed(RECEIVE_TIMEOUT))
         return True
 
     def abandon(self, call: CollectiveCall) -> None:

@@ -112,6 +112,12 @@ class Collective:
         """The call can never run (`failed`, at submission): it takes its place
         among the fabric's collectives all the same."""
 
+    def start(self, call: ScheduleCall) -> bool:
+        """Run the call without a body, if the fabric can (an in-process meeting):
+        True if it took the call, which it then ends itself (`SoftCall.finish`), or
+        parks on a `Wait` in `call.waiting` that an abort can withdraw."""
+        return False
+
     def run(self, call: ScheduleCall) -> Generator[Wait, Any, bool]:
         """Run before the schedule: True if the collective is done, False if the
         schedule is to run it."""
