@@ -19,13 +19,17 @@ from .._constants import ConfigFunction, ErrorCode, Scenario
 from .._errors import Aborted, DeviceError
 from ..devices import CallArgs, Device, DeviceCall
 from ..devices._jobs import HostJobs, Job
-from ._calls import CallFailed, Comm, SoftCall, make_call
+from ._calls import KINDS, CallFailed, Comm, SoftCall, make_call
 from ._datapath import Datapath, UnsupportedConfig
 from ._memory import DeviceMemory
 from ._streams import StreamKernel, StreamPorts
-from .fabric import Message, Port, RxPool
+from .fabric import Fingerprint, Message, Port, RxPool
 from .fabric._message import describe
 
+VIEWS_KEPT = 1024
+"""Views of device memory a soft CCLO keeps for its calls (see `SoftDevice.array`)."""
+DECODED_KEPT = 1024
+"""Distinct collective arguments whose decoding a soft CCLO keeps (`remember`)."""
 HWID = 0x0000_00F8  # reduction, compression and stream bits as ACCL's driver reads them
 
 
@@ -43,12 +47,14 @@ class SoftDevice(Device):
         self.exchmem = np.zeros(xm.SIZE // 4, np.uint32)
         self.exchmem[xm.HWID // 4] = HWID
         self.memory = DeviceMemory()
+        self._arrays: dict[tuple[int, np.dtype, int], np.ndarray] = {}  # see `array`
         self.timeout = 1.0
         self.max_eager_size = 0
         self.max_rendezvous_size = 0
         self._comms: dict[int, Comm] = {}
         self._configs: dict[int, xm.ArithConfig] = {}
         self._paths: dict[tuple[int, int, int], Datapath] = {}
+        self.decoded: dict[tuple[int, ...], tuple[Comm, Datapath, Fingerprint]] = {}
         self._send_seq: dict[tuple[Hashable, int], int] = {}
         self._queue: deque[SoftCall] = deque()  # in order: calls admitted, not ended; head runs
         self._calls: dict[SoftCall, None] = {}  # admitted, not finished (in order)
@@ -87,6 +93,15 @@ class SoftDevice(Device):
         self._comms.clear()  # parse exchange memory again when next needed
         self._configs.clear()
         self._paths.clear()
+        self.decoded.clear()
+
+    def remember(self, args: CallArgs, decoded: tuple[Comm, Datapath, Fingerprint]) -> None:
+        """What a collective's arguments decode to (`decoded`, keyed by all but its
+        addresses), so that calls with the same arguments skip decoding them; kept
+        until exchange memory is written."""
+        if len(self.decoded) >= DECODED_KEPT:
+            self.decoded.clear()
+        self.decoded[args[:9]] = decoded
 
     @staticmethod
     def _word(offset: int) -> int:
@@ -98,6 +113,7 @@ class SoftDevice(Device):
         return self.memory.alloc(nbytes)
 
     def free(self, address: int) -> None:
+        self._arrays.clear()  # (any thread: a dict's clear is atomic)
         self.memory.free(address)
 
     def write(self, address: int, data: np.ndarray) -> None:
@@ -107,13 +123,24 @@ class SoftDevice(Device):
         out.reshape(-1).view(np.uint8)[:] = self.memory.view(address, out.nbytes)
 
     def array(self, address: int, dtype: np.dtype, count: int) -> np.ndarray:
-        """`count` elements of device memory at `address`, for a call."""
+        """`count` elements of device memory at `address`, for a call. The views of
+        recent calls are kept (a loop of small calls on the same buffers looks each
+        up once), until memory is freed."""
+        key = (address, dtype, count)
+        view = self._arrays.get(key)
+        if view is not None:
+            return view
         if count == 0:
             return np.empty(0, dtype)
         try:
-            return self.memory.view(address, count * dtype.itemsize).view(dtype)
+            view = self.memory.view(address, count * dtype.itemsize).view(dtype)
         except KeyError:
             raise CallFailed(ErrorCode.DMA_DECODE_ERROR) from None
+        arrays = self._arrays
+        if len(arrays) >= VIEWS_KEPT:
+            arrays.clear()
+        arrays[key] = view
+        return view
 
     # -- what calls read from exchange memory ----------------------------------------
 
@@ -215,7 +242,8 @@ class SoftDevice(Device):
             self.exchmem[xm.RETCODE // 4] = 0
             done.complete(0)
             return done
-        call = make_call(self, args)
+        kind = KINDS.get(args.scenario)
+        call = make_call(self, args) if kind is None else kind(self, args)
         self.engine.post(self._admit, call, tuple(waitfor))
         return call
 

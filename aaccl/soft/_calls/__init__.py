@@ -30,10 +30,17 @@ from ._p2p import RecvCall, SendCall
 from ._schedule import ScheduleCall
 from ._state import COLLECTIVES, OFFLOAD_BYTES, CallFailed, Comm, ConfigCall, SoftCall
 
-__all__ = ["OFFLOAD_BYTES", "CallFailed", "Comm", "SoftCall", "make_call"]
+__all__ = ["KINDS", "OFFLOAD_BYTES", "CallFailed", "Comm", "SoftCall", "make_call"]
 
 if TYPE_CHECKING:
     from .._device import SoftDevice
+
+
+KINDS: dict[int, type[SoftCall]] = {
+    **{int(s): ScheduleCall for s in (*COLLECTIVES, Scenario.COPY, Scenario.COMBINE)},
+    int(Scenario.SEND): SendCall, int(Scenario.RECV): RecvCall,
+    int(Scenario.CONFIG): ConfigCall, int(Scenario.NOP): SoftCall}
+"""The kind of call each scenario makes (`make_call` for the others, which fail)."""
 
 
 def make_call(dev: SoftDevice, args: CallArgs) -> SoftCall:

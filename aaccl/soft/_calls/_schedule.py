@@ -59,7 +59,7 @@ class _Sending:
 class ScheduleCall(CollectiveCall):
     """copy, combine and the collectives: a schedule of sends, copies and reductions."""
 
-    __slots__ = ("path", "addrs", "itemsizes", "views", "sending", "taken", "saved")
+    __slots__ = ("addrs", "itemsizes", "views", "sending", "taken", "saved")
 
     def run(self) -> Body:
         args, dev, comm = self.args, self.dev, self.comm

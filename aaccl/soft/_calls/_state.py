@@ -143,7 +143,10 @@ class SoftCall(DeviceCall):
             if turn is not None:
                 waitfor = (*waitfor, turn)
         if not waitfor:
-            self.dev.ready(self)
+            if self.dev.in_order:
+                self.dev.ready(self)
+            else:  # (ready, in line: the common case costs no call)
+                self.start()
             return
         pending = [dep for dep in waitfor if not dep.done()]
         if any(dep.failed for dep in waitfor if dep.done()):

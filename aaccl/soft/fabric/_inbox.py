@@ -54,14 +54,8 @@ def mismatch(fp: Fingerprint, other: Fingerprint, ours: int, theirs: int) -> Fai
     return code, f"rank {a} called {describe(x)}; rank {b} called {describe(y)}"
 
 
-class _Member:
-    """This CCLO's call of a collective, as registered for checks and notices."""
-
-    __slots__ = ("session", "fp", "fail")
-
-    def __init__(self, session: int, fp: Fingerprint,
-                 fail: Callable[[int, str, bool], None]) -> None:
-        self.session, self.fp, self.fail = session, fp, fail
+_Member = tuple  # (session, fingerprint, fail): this CCLO's call of a collective, as
+# registered for checks and notices (a tuple: no constructor to call per collective)
 
 
 class RxPool:
@@ -131,7 +125,7 @@ class Inbox:
         self._step_waits: dict[tuple[int, Key], StepWait] = {}
         self._coll_seq: dict[Hashable, int] = {}  # per communicator: the next collective's seq
         self._gave_up: dict[Key, None] = {}  # the last GAVE_UP_KEPT collectives that failed here
-        self._members: dict[Key, _Member] = {}  # our running collectives, by prefix
+        self._members: dict[Key, tuple[int, Fingerprint, Callable[[int, str, bool], None]]] = {}  # our running collectives, by prefix
         self._seen: dict[Key, tuple[int, Fingerprint]] = {}  # before we joined
         self._failed: dict[Key, Failure] = {}  # notices for collectives we have not joined
         # a peer's message of a collective whose call here ended well (see `deliver`)
@@ -352,7 +346,7 @@ class Inbox:
         if seen is not None and seen[1] != fp:
             self._give_up(prefix)
             return (*mismatch(fp, seen[1], session, seen[0]), False)
-        self._members[prefix] = _Member(session, fp, fail)
+        self._members[prefix] = (session, fp, fail)
         return None
 
     def leave(self, prefix: Key) -> None:
@@ -366,9 +360,10 @@ class Inbox:
         if member is None:
             if msg.fp is not None and prefix not in self._seen:
                 self._seen[prefix] = (msg.src, msg.fp)
-        elif msg.fp is not None and msg.fp != member.fp:
-            code, why = mismatch(member.fp, msg.fp, member.session, msg.src)
-            member.fail(code, why, False)
+        elif msg.fp is not None and msg.fp != member[1]:
+            session, fp, fail = member
+            code, why = mismatch(fp, msg.fp, session, msg.src)
+            fail(code, why, False)
 
     def _notice(self, msg: Message) -> None:
         """A peer's call of a collective failed: so does ours, now or when it comes;
@@ -379,7 +374,7 @@ class Inbox:
         member = self._members.pop(prefix, None)
         self._seen.pop(prefix, None)
         if member is not None:
-            member.fail(code, why, True)
+            member[2](code, why, True)
         elif not self._ended(prefix):
             self._failed.setdefault(prefix, (code, why))  # for our call, when it comes
 

@@ -201,8 +201,8 @@ class _Meet(_RollCall):
 
     def start(self, call: ScheduleCall) -> bool:
         args, dev, comm, prefix = call.args, call.dev, call.comm, call.prefix
-        assert comm is not None and prefix is not None
-        path = dev.datapath(args)
+        assert comm is not None and prefix is not None and call.path is not None
+        path = call.path
         src = dev.array(args.addr_0, path.dtype, args.count)
         dst = dev.array(args.addr_2, path.dtype, args.count)
         meetings = self.port.fabric.meetings
