@@ -336,7 +336,8 @@ class ACCL:
         submitted = time.perf_counter_ns() if _trace._active is not None else 0
         waits = [d._device for d in deps] if deps else []
         hazards: tuple[Call, ...] = ()
-        if (reads or writes) and self._hazards.uses(reads, writes):  # memory in use: maybe ours
+        book = self._hazards  # (its dicts read directly: bool(book) would be a call)
+        if (reads or writes) and (book._regions or book._lone) and book.uses(reads, writes):
             hazards, synced = self._order(deps, waits, reads, writes, sync_in)
             writes += synced
         else:
@@ -711,7 +712,9 @@ class ACCL:
              to_fpga: bool, compress_dtype: Any, waitfor: Calls) -> Call:
         """Collectives where every rank both sends and receives; a chunked buffer holds
         `count` elements per rank."""
-        size = self._comm_size(comm_id)
+        comms = self._driver.communicators
+        size = len(comms[comm_id][1].ranks) if type(comm_id) is int \
+            and 0 <= comm_id < len(comms) else self._comm_size(comm_id)
         inputs, outputs = (size if chunked_in else 1), (size if chunked_out else 1)
         n = count if type(count) is int and 0 <= count < _COUNT_END else check.count(count)
         function = 0 if func is None else int(func if type(func) is ReduceFunction
@@ -722,9 +725,14 @@ class ACCL:
         if d.dtype != dtype:
             check.same_dtype(sbuf=s, rbuf=d)
         wire = None if compress_dtype is None else check.compression(dtype, compress_dtype)
+        start, end = s._address, d._address  # (looked up by check.buffer)
+        assert start is not None and end is not None and s._allocation and d._allocation
         return self._submit(op, scenario, waitfor, count=n, comm_id=comm_id, function=function,
                             dtype=dtype, compress_dtype=wire, buffers=(s, d, d),
-                            reads=_span(s, n * inputs), writes=_span(d, n * outputs),
+                            reads=((s._allocation.address, start,
+                                    start + n * inputs * s.itemsize),) if n else (),
+                            writes=((d._allocation.address, end,
+                                     end + n * outputs * d.itemsize),) if n else (),
                             sync_in=() if from_fpga else (_head(s, n * inputs),),
                             sync_out=None if to_fpga else _head(d, n * outputs))
 

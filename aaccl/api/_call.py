@@ -88,7 +88,10 @@ class Call:
         self._given_up = False  # an await of it was cancelled before it finished
         self._deps = deps
         self._finish, self._on_done = finish, on_done
-        device.own(self)  # its one completion (now, if it completed already)
+        if device._settled:  # completed already (a nop): its owner is told by nobody else
+            self._completed(device)
+        else:
+            device.own(self)  # its one completion
 
     @property
     def name(self) -> str:

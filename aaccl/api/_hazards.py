@@ -98,6 +98,7 @@ class Hazards(Generic[K]):
         """Calls tracked (some of them may be superseded already)."""
         return len(self._held.keys() | self._solo.keys())
 
+
     def uses(self, reads: Iterable[Span], writes: Iterable[Span] = ()) -> bool:
         """Whether an unfinished call uses any of these spans' allocations: if not, a
         call on them conflicts with nothing (O(1) per span)."""

@@ -184,8 +184,21 @@ class _RollCall(Collective):
     __slots__ = ("port",)  # (set by InProcessPort: no __init__, one call less per call)
 
     def join(self, call: CollectiveCall) -> tuple[int, str] | None:
-        assert call.comm is not None
-        return self.port.roll_call(call.prefix, call.comm.size, call.dev.session, call.fp)
+        assert call.comm is not None and call.fp is not None
+        roll, key, size = self.port.fabric.roll, call.prefix, call.comm.size
+        entry = roll.get(key)  # (InProcessPort.roll_call, in line: every collective's path)
+        if entry is None:
+            if size > 1:
+                roll[key] = ((call.dev.session, call.fp), 1)
+            return None
+        first, seen = entry
+        if seen + 1 >= size:
+            del roll[key]
+        else:
+            roll[key] = (first or (call.dev.session, call.fp), seen + 1)
+        if first is None or first[1] == call.fp:
+            return None
+        return mismatch(call.fp, first[1], call.dev.session, first[0])
 
     def reject(self, call: CollectiveCall, failed: CallFailed) -> None:
         assert call.comm is not None
