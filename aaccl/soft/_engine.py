@@ -158,10 +158,30 @@ class Engine:
     def post(self, fn: Event, *args: Any) -> None:
         """Queue `fn(*args)` from any thread; process the queue here if nobody is."""
         with self._lock:
-            self._posted.append((fn, args))
             if self._draining:
+                self._posted.append((fn, args))
                 return
             self._draining = True
+            behind = bool(self._posted or self._soon)  # left by an interrupted drain
+            if behind:
+                self._posted.append((fn, args))
+        if behind:
+            self._drain()
+            return
+        # idle with nothing queued: run the event now, then drain what it raised
+        try:
+            fn(*args)
+        except Exception:  # events fail their own calls; a last resort
+            log.exception("soft CCLO engine %s: internal error in %r", self.name, fn)
+        except BaseException:
+            with self._lock:
+                self._draining = False
+            raise
+        if not self._soon:
+            with self._lock:
+                if not self._posted:
+                    self._draining = False
+                    return
         self._drain()
 
     def soon(self, fn: Event, *args: Any) -> None:

@@ -124,7 +124,7 @@ class Meeting:
             for _, d, _ in arrived.values():
                 d[...] = total
         except Exception:  # a bug in the model fails this collective, and nothing else
-            log.exception("soft CCLO: internal error in a meeting of allreduce")
+            log.exception("soft CCLO: internal error in allreduce (its ranks meeting in process)")
             retcode = int(ErrorCode.DMA_INTERNAL_ERROR)
         if self.timer is not None:
             self.timer.cancel()
