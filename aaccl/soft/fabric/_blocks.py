@@ -64,7 +64,9 @@ def encode(out: np.ndarray, fp: Fingerprint, data: np.ndarray | None = None,
     """Write a rank's block into `out` (BLOCK bytes): its fingerprint, and its data or
     the reason its call did not run."""
     scenario, count, dtype, wire, root, function, size = fp
-    _HEADER.pack_into(out, 0, state, code, scenario, _NONE if count is None else count,
+    # (an ndarray is a buffer; numpy's stubs say so only for Python 3.12+, mypy checks 3.10)
+    _HEADER.pack_into(out, 0, state, code, scenario,  # type: ignore[arg-type]
+                      _NONE if count is None else count,
                       dtype.encode(), wire.encode(), _NONE if root is None else root,
                       _NONE if function is None else function, size)
     tail = out[_HEADER.size:]
@@ -83,7 +85,7 @@ class Block:
 
     def __init__(self, raw: np.ndarray) -> None:
         state, code, scenario, count, dtype, wire, root, function, size = \
-            _HEADER.unpack_from(raw, 0)
+            _HEADER.unpack_from(raw, 0)  # type: ignore[arg-type]  # (see `encode`)
         self.state, self.code = state, code
         self.fp: Fingerprint = (scenario, None if count == _NONE else count,
                                 dtype.rstrip(b"\0").decode(), wire.rstrip(b"\0").decode(),
@@ -105,7 +107,7 @@ def agree(gathered: np.ndarray, size: int) -> bool:
     """Whether every rank's call runs, all with the same fingerprint: then their
     headers are the same bytes, so this compares bytes and decodes nothing (it runs
     for every collective; `read` is for the rare exchange that disagrees)."""
-    raw = memoryview(gathered)
+    raw = memoryview(gathered)  # type: ignore[arg-type]  # (see `encode`)
     first = raw[:_HEADER.size]
     if _STATE.unpack_from(first)[0] != RUNS:
         return False
