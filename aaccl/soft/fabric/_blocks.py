@@ -114,10 +114,11 @@ def agree(gathered: np.ndarray, size: int) -> bool:
     return all(raw[k * BLOCK:k * BLOCK + _HEADER.size] == first for k in range(1, size))
 
 
-def settle(fp: Fingerprint, rank: int, gathered: np.ndarray, op0: np.ndarray,
-           res: np.ndarray, combine: Combine) -> None:
+def settle(fp: Fingerprint, rank: int, gathered: np.ndarray, op0: np.ndarray | None,
+           res: np.ndarray | None, combine: Combine) -> None:
     """Complete a collective whose data rode in the blocks (`gathered`, which
-    `agree`s): write this rank's result into `op0` (a bcast's) or `res`.
+    `agree`s): write this rank's result into `op0` (a bcast's) or `res` (None where
+    this rank's call has no such buffer: then it writes nothing there).
     Reductions fold contributions in rank order, as the soft CCLO's schedules do."""
     scenario, count, dtype_str, _, root, _, size = fp
     if count is None or count == 0:
@@ -129,14 +130,18 @@ def settle(fp: Fingerprint, rank: int, gathered: np.ndarray, op0: np.ndarray,
     mine = slice(rank * count, (rank + 1) * count)
     if scenario == Scenario.BCAST:
         if rank != root:
+            assert op0 is not None
             op0[:count] = parts[root]
     elif scenario == Scenario.SCATTER:
+        assert res is not None
         res[:count] = parts[root][mine]
     elif scenario in (Scenario.GATHER, Scenario.ALLGATHER):
         if scenario == Scenario.ALLGATHER or rank == root:
+            assert res is not None
             for k, part in enumerate(parts):
                 res[k * count:(k + 1) * count] = part
     elif scenario == Scenario.ALLTOALL:
+        assert res is not None
         for k, part in enumerate(parts):
             res[k * count:(k + 1) * count] = part[mine]
     elif scenario in (Scenario.REDUCE, Scenario.ALLREDUCE, Scenario.REDUCE_SCATTER):
@@ -144,6 +149,7 @@ def settle(fp: Fingerprint, rank: int, gathered: np.ndarray, op0: np.ndarray,
             return
         if scenario == Scenario.REDUCE_SCATTER:
             parts = [part[mine] for part in parts]
+        assert res is not None
         out = res[:count]
         combine(parts[0], parts[1], out) if size > 1 else np.copyto(out, parts[0])
         for part in parts[2:]:
