@@ -22,6 +22,10 @@ log = logging.getLogger("aaccl")
 _Future = asyncio.Future
 _running_loop = asyncio._get_running_loop  # None outside asyncio (trio, a thread)
 
+Waker = Callable[[], None] | asyncio.Future[None]
+"""What wakes a waiter when a call finishes: a function to call (a thread's event, a
+bridge's wake), or the future an asyncio task awaits (see `_wake`)."""
+
 
 def _wake(future: asyncio.Future[None]) -> None:
     """Resume a task of asyncio awaiting a call: in line on its loop's thread (no
@@ -80,7 +84,7 @@ class Call:
         self._buffers = buffers  # the device uses them until it completes: keep them allocated
         self._device = device
         self._lock = threading.Lock()
-        self._wakers: list[Callable[[], None] | asyncio.Future[None]] = []
+        self._wakers: list[Waker] = []
         self._finished = False
         self._error: BaseException | None = None
         self._retrieved = False
@@ -141,7 +145,7 @@ class Call:
             if type(wake) is _Future:
                 _wake(wake)
             else:
-                wake()
+                wake()  # type: ignore[operator]  # (a function; mypy cannot narrow `type() is`)
 
     def done(self) -> bool:
         """True once the call has finished, successfully or not."""
@@ -185,7 +189,7 @@ class Call:
             self._wakers.append(wake)
             return True
 
-    def _forget(self, wake: Callable[[], None]) -> None:
+    def _forget(self, wake: Waker) -> None:
         """A waiter gave up (cancelled, timed out): its `wake` goes."""
         with self._lock:
             if wake in self._wakers:

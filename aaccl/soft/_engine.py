@@ -68,6 +68,8 @@ class Timer:
 
     __slots__ = ("deadline", "fn", "_timers")
 
+    fn: Callable[[], None] | None  # None once cancelled, or taken to run
+
     def __init__(self, timers: _Timers, deadline: float, fn: Callable[[], None]) -> None:
         self.deadline, self.fn, self._timers = deadline, fn, timers
 

@@ -25,6 +25,15 @@ class CollectiveCall(SoftCall):
 
     __slots__ = ("comm", "seq", "prefix", "fp", "quiet", "way", "path")
 
+    # (declared here once: `prepare` sets them on a fast path and on the full one)
+    comm: Comm | None
+    prefix: Key | None
+    seq: int
+    fp: Fingerprint | None
+    path: Datapath | None
+    way: Collective | None  # how its fabric takes part (None: messages)
+    quiet: bool
+
     def prepare(self) -> None:
         args, dev = self.args, self.dev
         self.quiet = False  # its failure came from a peer, which has told the others
@@ -36,12 +45,12 @@ class CollectiveCall(SoftCall):
             self.way = way = dev.port.collective(self)
             self._join(way)
             return
-        self.comm: Comm | None = None
-        self.prefix: Key | None = None
+        self.comm = None
+        self.prefix = None
         self.seq = 0
-        self.fp: Fingerprint | None = None
-        self.path: Datapath | None = None
-        self.way: Collective | None = None  # how its fabric takes part (None: messages)
+        self.fp = None
+        self.path = None
+        self.way = None
         if args.scenario in COLLECTIVES:
             self.comm = comm = dev.comm(args.comm)
             self.seq = dev.inbox.admit(comm.key)
@@ -66,6 +75,7 @@ class CollectiveCall(SoftCall):
             self.use_streams(size, args.root_src_dst == rank or args.scenario not in ROOTED)
         check_compression(args)
         if self.fp is not None and not args.stream_flags:  # the same arguments decode alike
+            assert self.comm is not None and self.path is not None  # (set with the fingerprint)
             dev.remember(args, (self.comm, self.path, self.fp))
 
     def start(self) -> None:

@@ -48,6 +48,7 @@ class SendCall(SoftCall):
             msg = Message(dev.session, ("stream",), 0, args.tag, payload.view(np.uint8), eager)
             msg.fp = (path.wire.str, segment)
         else:
+            assert self.seq is not None  # (taken by `prepare`: this is no stream put)
             msg = Message(dev.session, ("p2p", self.comm.key), self.seq, args.tag,
                           payload.view(np.uint8), eager=eager)
             msg.fp = (args.count, path.wire.str, path.dtype.str)

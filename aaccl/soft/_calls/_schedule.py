@@ -61,6 +61,8 @@ class ScheduleCall(CollectiveCall):
 
     __slots__ = ("addrs", "itemsizes", "views", "sending", "taken", "saved")
 
+    addrs: tuple[int, ...]  # each slot's address (one of its own for a slot on a stream)
+
     def run(self) -> Body:
         args, dev, comm = self.args, self.dev, self.comm
         if self.way is not None and (yield from self.way.run(self)):
@@ -101,6 +103,7 @@ class ScheduleCall(CollectiveCall):
                         and (yield sending.handover) is MessageState.WITHDRAWN:
                     raise self.withdrawn(sending.handover)
             if self.res_stream:  # the result goes out as one packet, tag 0
+                assert self.views[2] is not None
                 dev.streams.emit(self.views[2], 0)
         except BaseException:
             self._release()
@@ -156,6 +159,7 @@ class ScheduleCall(CollectiveCall):
     def _local(self, loc: Local, count: int) -> np.ndarray:
         view = self.views[loc.slot]
         if view is None:
+            assert self.path is not None  # (set by `run`, as the views are)
             return np.empty(0, self.path.slots[loc.slot])
         return view[loc.offset:loc.offset + count]
 
@@ -171,6 +175,7 @@ class ScheduleCall(CollectiveCall):
         np.copyto(dst, data, casting="unsafe")
 
     def _combine(self, ab: list[np.ndarray], dst: np.ndarray) -> None:
+        assert self.path is not None
         self.path.combine(ab[0], ab[1], dst)
 
     def _apply(self, operands: tuple[Local | Incoming, ...], loc: Local, count: int,
@@ -217,6 +222,7 @@ class ScheduleCall(CollectiveCall):
                 assert self.fp is not None
                 raise CallFailed(*mismatch(self.fp, msg.fp, self.dev.session, msg.src))
         data = self.dev.inbox.data(msg)
+        assert self.path is not None
         if data.nbytes != count * self.path.wire.itemsize:
             raise CallFailed(ErrorCode.DMA_SIZE_ERROR)
         return data.view(self.path.wire)
@@ -229,6 +235,7 @@ class ScheduleCall(CollectiveCall):
         assert self.comm is not None
         dev = self.dev
         data = self._read(step.src, step.count)
+        assert self.path is not None
         payload = self.path.to_wire(data)
         msg = Message(dev.session, self._key(step.tag), self.seq, step.tag,
                       payload.view(np.uint8), eager=payload.nbytes <= dev.max_eager_size)

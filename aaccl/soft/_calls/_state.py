@@ -108,6 +108,8 @@ class SoftCall(DeviceCall):
     __slots__ = ("dev", "state", "failure", "deps_left", "body", "waiting", "timer",
                  "aborting", "failure_detail", "failure_error", "op0_stream", "res_stream")
 
+    args: CallArgs  # (DeviceCall's slot) a soft call is always a CCLO call, never host work
+
     def __init__(self, dev: SoftDevice, args: CallArgs) -> None:
         # DeviceCall's fields, set here rather than by its __init__ (one call less
         # per call, on the path every small call takes)

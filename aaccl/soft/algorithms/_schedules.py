@@ -175,8 +175,8 @@ def allreduce(rank: int, size: int, count: int,
         return recursive_doubling(rank, size, count)
     parts = chunks(count, size)
     mine, mylen = parts[rank]
-    steps = [Send(c, 0, Local(OP0, parts[c][0]), parts[c][1])
-             for c in _others(rank, size) if parts[c][1]]
+    steps: list[Step] = [Send(c, 0, Local(OP0, parts[c][0]), parts[c][1])
+                         for c in _others(rank, size) if parts[c][1]]
     if mylen:
         steps += _fold(_contributions(rank, size, Local(OP0, mine), 0), Local(RES, mine), mylen)
         steps += [Send(c, 1, Local(RES, mine), mylen) for c in _others(rank, size)]

@@ -64,7 +64,9 @@ def encode(out: np.ndarray, fp: Fingerprint, data: np.ndarray | None = None,
     """Write a rank's block into `out` (BLOCK bytes): its fingerprint, and its data or
     the reason its call did not run."""
     scenario, count, dtype, wire, root, function, size = fp
-    _HEADER.pack_into(out, 0, state, code, scenario, _NONE if count is None else count,
+    # (an ndarray is a buffer; numpy's stubs say so only for Python 3.12+, mypy checks 3.10)
+    _HEADER.pack_into(out, 0, state, code, scenario,  # type: ignore[arg-type]
+                      _NONE if count is None else count,
                       dtype.encode(), wire.encode(), _NONE if root is None else root,
                       _NONE if function is None else function, size)
     tail = out[_HEADER.size:]
@@ -83,7 +85,7 @@ class Block:
 
     def __init__(self, raw: np.ndarray) -> None:
         state, code, scenario, count, dtype, wire, root, function, size = \
-            _HEADER.unpack_from(raw, 0)
+            _HEADER.unpack_from(raw, 0)  # type: ignore[arg-type]  # (see `encode`)
         self.state, self.code = state, code
         self.fp: Fingerprint = (scenario, None if count == _NONE else count,
                                 dtype.rstrip(b"\0").decode(), wire.rstrip(b"\0").decode(),
@@ -105,17 +107,18 @@ def agree(gathered: np.ndarray, size: int) -> bool:
     """Whether every rank's call runs, all with the same fingerprint: then their
     headers are the same bytes, so this compares bytes and decodes nothing (it runs
     for every collective; `read` is for the rare exchange that disagrees)."""
-    raw = memoryview(gathered)
+    raw = memoryview(gathered)  # type: ignore[arg-type]  # (see `encode`)
     first = raw[:_HEADER.size]
     if _STATE.unpack_from(first)[0] != RUNS:
         return False
     return all(raw[k * BLOCK:k * BLOCK + _HEADER.size] == first for k in range(1, size))
 
 
-def settle(fp: Fingerprint, rank: int, gathered: np.ndarray, op0: np.ndarray,
-           res: np.ndarray, combine: Combine) -> None:
+def settle(fp: Fingerprint, rank: int, gathered: np.ndarray, op0: np.ndarray | None,
+           res: np.ndarray | None, combine: Combine) -> None:
     """Complete a collective whose data rode in the blocks (`gathered`, which
-    `agree`s): write this rank's result into `op0` (a bcast's) or `res`.
+    `agree`s): write this rank's result into `op0` (a bcast's) or `res` (None where
+    this rank's call has no such buffer: then it writes nothing there).
     Reductions fold contributions in rank order, as the soft CCLO's schedules do."""
     scenario, count, dtype_str, _, root, _, size = fp
     if count is None or count == 0:
@@ -127,14 +130,18 @@ def settle(fp: Fingerprint, rank: int, gathered: np.ndarray, op0: np.ndarray,
     mine = slice(rank * count, (rank + 1) * count)
     if scenario == Scenario.BCAST:
         if rank != root:
+            assert op0 is not None
             op0[:count] = parts[root]
     elif scenario == Scenario.SCATTER:
+        assert res is not None
         res[:count] = parts[root][mine]
     elif scenario in (Scenario.GATHER, Scenario.ALLGATHER):
         if scenario == Scenario.ALLGATHER or rank == root:
+            assert res is not None
             for k, part in enumerate(parts):
                 res[k * count:(k + 1) * count] = part
     elif scenario == Scenario.ALLTOALL:
+        assert res is not None
         for k, part in enumerate(parts):
             res[k * count:(k + 1) * count] = part[mine]
     elif scenario in (Scenario.REDUCE, Scenario.ALLREDUCE, Scenario.REDUCE_SCATTER):
@@ -142,6 +149,7 @@ def settle(fp: Fingerprint, rank: int, gathered: np.ndarray, op0: np.ndarray,
             return
         if scenario == Scenario.REDUCE_SCATTER:
             parts = [part[mine] for part in parts]
+        assert res is not None
         out = res[:count]
         combine(parts[0], parts[1], out) if size > 1 else np.copyto(out, parts[0])
         for part in parts[2:]:

@@ -54,8 +54,9 @@ def mismatch(fp: Fingerprint, other: Fingerprint, ours: int, theirs: int) -> Fai
     return code, f"rank {a} called {describe(x)}; rank {b} called {describe(y)}"
 
 
-_Member = tuple  # (session, fingerprint, fail): this CCLO's call of a collective, as
-# registered for checks and notices (a tuple: no constructor to call per collective)
+_Member = tuple[int, Fingerprint, Callable[[int, str, bool], None]]
+"""(session, fingerprint, fail): this CCLO's call of a collective, as registered for
+checks and notices (a tuple: no constructor to call per collective)."""
 
 
 class RxPool:
@@ -125,7 +126,7 @@ class Inbox:
         self._step_waits: dict[tuple[int, Key], StepWait] = {}
         self._coll_seq: dict[Hashable, int] = {}  # per communicator: the next collective's seq
         self._gave_up: dict[Key, None] = {}  # the last GAVE_UP_KEPT collectives that failed here
-        self._members: dict[Key, tuple[int, Fingerprint, Callable[[int, str, bool], None]]] = {}  # our running collectives, by prefix
+        self._members: dict[Key, _Member] = {}  # our running collectives, by prefix
         self._seen: dict[Key, tuple[int, Fingerprint]] = {}  # before we joined
         self._failed: dict[Key, Failure] = {}  # notices for collectives we have not joined
         # a peer's message of a collective whose call here ended well (see `deliver`)

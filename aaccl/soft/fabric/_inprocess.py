@@ -183,6 +183,8 @@ class _RollCall(Collective):
 
     __slots__ = ("port",)  # (set by InProcessPort: no __init__, one call less per call)
 
+    port: InProcessPort
+
     def join(self, call: CollectiveCall) -> tuple[int, str] | None:
         assert call.comm is not None and call.fp is not None
         roll, key, size = self.port.fabric.roll, call.prefix, call.comm.size

@@ -157,7 +157,7 @@ class MPIFabric:
         self._arriving: dict[int, deque[tuple[Any, Callable[..., Any], tuple[Any, ...]]]] = {}
         self.lost: str | None = None  # why a peer is known to be gone, if one is
         self._deaths: list[dict[int, str]] = []  # ranks found dead, not yet buried
-        self.dead: dict[int, str] = {}  # rank -> how its process ended; never sent to
+        self.buried: dict[int, str] = {}  # rank -> how its process ended (`_bury`): never sent to
         self.mpi_errors: list[str] = []  # what MPI reported (about dead peers), first few
         self._closed = False
         self._farewells = 0  # peers' last messages, one per control tag each (`close`)
@@ -194,7 +194,7 @@ class MPIFabric:
     # -- sending ------------------------------------------------------------------
 
     def post(self, dst: int, msg: Message, timeout_code: int) -> Wait | None:
-        if self.dead:
+        if self.buried:
             # A process died: MPI is not used any more (see `_bury`). Notices are left
             # unsaid (the others learn what this rank learnt, from the launcher), and
             # anything else fails at its deadline: never reported sent.
@@ -226,10 +226,12 @@ class MPIFabric:
                 self._send_obj(header, dst, HEADER)
             return None
         if inline:  # one message: the header, then a snapshot of the payload
+            assert payload is not None  # (it has bytes)
             data = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL) + payload.tobytes()
             self._isend([data, len(data), self._byte], dst, HEADER, data)
             return request
         if pull:  # rendezvous: the payload stays here until the receiver asks for it
+            assert payload is not None  # (it has bytes)
             held = payload.copy() if queued else payload
             with self._holding:  # (`_granted` may push it at once: after the header)
                 self._send_obj(header, dst, HEADER)
@@ -237,6 +239,7 @@ class MPIFabric:
             return request
         self._send_obj(header, dst, HEADER)
         if nbytes:
+            assert payload is not None
             if eager or queued:  # the send may complete now: MPI must not read our memory
                 payload = payload.copy()
             self._isend([payload, nbytes, self._byte], dst, _payload_tag(msg_id), payload)
@@ -248,7 +251,7 @@ class MPIFabric:
 
     def _isend(self, buf: Any, dst: int, tag: int, keepalive: object) -> None:
         """Start an MPI send; `keepalive` (what it reads) lives until it completes."""
-        if self._said_farewell or self.dead:  # nobody waits for it (or see `_bury`)
+        if self._said_farewell or self.buried:  # nobody waits for it (or see `_bury`)
             return
         try:
             request = self.comm.Isend(buf, dst, tag)
@@ -282,7 +285,7 @@ class MPIFabric:
         self._tasks_gone.set()
 
     def _poll_once(self) -> bool:
-        if self.dead:  # see `_bury`
+        if self.buried:  # see `_bury`
             return False
         MPI, status = self._mpi, self._status
         try:
@@ -312,21 +315,21 @@ class MPIFabric:
         at once, the others at their deadlines) and it closes without MPI."""
         while self._deaths:
             ranks = self._deaths.pop(0)
-            if not self.dead:
+            if not self.buried:
                 try:
                     self._drain()
                 except self._mpi.Exception as error:
                     self._mpi_error(error)
             for rank, how in ranks.items():
-                if rank == self.rank or rank in self.dead or not 0 <= rank < self.size:
+                if rank == self.rank or rank in self.buried or not 0 <= rank < self.size:
                     continue
-                self.dead[rank] = how
+                self.buried[rank] = how
                 self._forget(rank)
                 on_leave = self.inbox.on_leave
                 if on_leave is not None:
                     lane_done = 0 if self.lane is None else self.lane.finished
                     self.engine.post(on_leave, rank, how, lane_done)
-        if self.dead:  # MPI is not used any more: no answer comes
+        if self.buried:  # MPI is not used any more: no answer comes
             self._give_up(None)
 
     def _drain(self) -> None:
@@ -346,7 +349,7 @@ class MPIFabric:
             if self._deaths:
                 with self._poll_lock:
                     self._bury()
-            if self.dead:  # nothing to poll any more (see `_bury`)
+            if self.buried:  # nothing to poll any more (see `_bury`)
                 time.sleep(IDLE_SLEEP)
                 continue
             if self.lost is not None:  # answers to our withdrawals may never come
@@ -473,7 +476,7 @@ class MPIFabric:
         """A receive matched message `msg_id` from `src` (engine context): ask the
         sender for its payload, unless it comes already."""
         msg = self._incoming.get((src, msg_id))
-        if msg is None or src in self._left or self.dead:
+        if msg is None or src in self._left or self.buried:
             return  # it never comes: its receive fails at its deadline
         if self._receive_payload(src, msg_id, msg.nbytes):
             self._send_obj((READY, msg_id), src, ACK)  # after the receive is posted
@@ -575,7 +578,7 @@ class MPIFabric:
             # (one that came already is handed over as it is)
             fetches = [(key, request) for key, (request, _) in self._fetches.items()
                        if key[0] == src and request is not None]
-            if self.dead:  # MPI is not used any more
+            if self.buried:  # MPI is not used any more
                 for key, _ in fetches:
                     self._fetches[key] = (None, None)
             else:  # one under way still comes (`_fetched` tells which)
@@ -585,7 +588,7 @@ class MPIFabric:
                     except _mpi_exception() as error:
                         self._mpi_error(error)
         self._give_up(src)
-        if self.dead:
+        if self.buried:
             for key, _ in fetches:
                 self.engine.post(self._arrived, key, None)
 
@@ -758,10 +761,10 @@ class MPIFabric:
         from mpi4py import MPI
 
         done = False
-        if self.dead:  # (see `post`): nothing more to say, nobody to wait for
+        if self.buried:  # (see `post`): nothing more to say, nobody to wait for
             self._said_farewell = True
         try:
-            for peer in range(self.size if not self.dead else 0):
+            for peer in range(self.size if not self.buried else 0):
                 if peer != self.rank:
                     for tag in (HEADER, ACK, WITHDRAW):
                         self._send_obj(None, peer, tag)
