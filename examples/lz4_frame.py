@@ -11,7 +11,9 @@ Usage::
 The input goes through the device in *bricks* of N (default 8) 1 MiB blocks. A
 brick is one chain of calls, so it costs one ``await``: a host->device transfer, a
 Python kernel per block calling ``lz4.block.compress`` (which releases the GIL, so a
-brick's kernels run in parallel on the device's workers), and a device->host
+brick's kernels run in parallel on the device's workers; each is given only its own
+block's input, slot and length, as calls that share device memory run in turn), and
+a device->host
 transfer of the blocks' compressed lengths; the host then downloads just the
 compressed bytes. Two sets of buffers (double buffering) let brick i+1 be read,
 uploaded and compressed while the host downloads brick i and writes it to OUTPUT;
@@ -176,8 +178,8 @@ class Slots:
         self.src = accl.allocate(brick * BLOCK, np.uint8)
         self.dst = accl.allocate(brick * SLOT, np.uint8)
         self.lengths = accl.allocate(brick, np.int64)
-        self._blocks = [(self.src[j * BLOCK:(j + 1) * BLOCK], self.dst[j * SLOT:(j + 1) * SLOT])
-                        for j in range(brick)]
+        self._blocks = [(self.src[j * BLOCK:(j + 1) * BLOCK], self.dst[j * SLOT:(j + 1) * SLOT],
+                         self.lengths[j:j + 1]) for j in range(brick)]
 
     async def touch(self, accl: aaccl.ACCL) -> None:
         """Write both copies of every buffer once: fresh memory is mapped on first
@@ -191,10 +193,14 @@ class Slots:
         if source.readinto(self.src[:nbytes].data) != nbytes:
             raise EOFError("the input file is shorter than it was")
 
-    def block(self, j: int, nbytes: int = BLOCK) -> tuple[aaccl.Buffer, aaccl.Buffer]:
-        """Block j's input (its first `nbytes` bytes) and its output slot."""
-        src, dst = self._blocks[j]
-        return (src if nbytes == BLOCK else src[:nbytes]), dst
+    def block(self, j: int, nbytes: int = BLOCK) -> tuple[aaccl.Buffer, aaccl.Buffer,
+                                                           aaccl.Buffer]:
+        """Block j's input (its first `nbytes` bytes), its output slot and its length:
+        each kernel gets only the memory it touches, since calls that share device
+        memory run in turn (results as if in order), and a kernel may write all of
+        every buffer it is passed."""
+        src, dst, length = self._blocks[j]
+        return (src if nbytes == BLOCK else src[:nbytes]), dst, length
 
     def download(self, accl: aaccl.ACCL, nblocks: int) -> aaccl.Call:
         """Download just the bytes each block's slot holds (its length is in host
@@ -210,10 +216,10 @@ class Slots:
             out.write(slot[:4 + block_length(slot)].data)
 
 
-def compress_into(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, j: int) -> None:
-    """The device kernel: block j's frame block into its slot, its length into
-    `lengths[j]` for the host to download just that much."""
-    lengths[j] = compress_block(src, dst)
+def compress_into(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
+    """The device kernel: a block's frame block into its slot, its length into
+    `length` (one element) for the host to download just that much."""
+    length[0] = compress_block(src, dst)
 
 
 def submit_brick(accl: aaccl.ACCL, kernel: aaccl.Kernel, slots: Slots, nbytes: int,
@@ -226,8 +232,7 @@ def submit_brick(accl: aaccl.ACCL, kernel: aaccl.Kernel, slots: Slots, nbytes: i
     upload need not wait."""
     up = accl.sync_to_device(slots.src[:nbytes])
     ready = [up] if after is None else [up, after]
-    packed = [kernel(*slots.block(j, min(BLOCK, nbytes - start)), slots.lengths, j,
-                     waitfor=ready)
+    packed = [kernel(*slots.block(j, min(BLOCK, nbytes - start)), waitfor=ready)
               for j, start in enumerate(range(0, nbytes, BLOCK))]
     return accl.sync_from_device(slots.lengths, waitfor=packed)
 
@@ -293,10 +298,10 @@ async def sequential(accl: aaccl.ACCL, source: BinaryIO, size: int, out: BinaryI
     out.write(frame_header(size))
     for lo in range(0, size, BLOCK):
         n = min(BLOCK, size - lo)
-        src, dst = slots.block(0, n)
+        src, dst, length = slots.block(0, n)
         slots.read_input(source, n)
         await accl.sync_to_device(src)
-        await kernel(src, dst, slots.lengths, 0)
+        await kernel(src, dst, length)
         await accl.sync_from_device(slots.lengths)
         await slots.download(accl, 1)
         slots.write_out(1, out)

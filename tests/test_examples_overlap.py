@@ -13,6 +13,7 @@ import importlib.util
 import io
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -201,6 +202,26 @@ def test_a_brick_is_one_chain_of_transfer_kernels_transfer() -> None:
 
     body = aaccl.run(main, world_size=1)[0]
     assert lz4f.frame_header(len(data)) + body + lz4f.END_MARK == lz4f.compress_frame(data)
+
+
+def test_a_bricks_kernels_run_at_once() -> None:
+    """No kernel of a brick waits for another: each is passed only its block's memory.
+    (When all of them were passed the whole lengths buffer, results-as-if-in-order
+    ran them one after the other: the pipeline used 1.2 cores of 2.)"""
+    data = lz4f.text_like(4 * MIB)
+    meet = threading.Barrier(4, timeout=20)  # broken unless all four run together
+
+    def compress_together(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
+        meet.wait()
+        lz4f.compress_into(src, dst, length)
+
+    async def main(accl: aaccl.ACCL) -> None:
+        slots = lz4f.Slots(accl, 4)
+        slots.src[:] = np.frombuffer(data, np.uint8)
+        await lz4f.submit_brick(accl, accl.kernel(compress_together), slots, len(data))
+
+    aaccl.run(main, world_size=1)
+    assert not meet.broken
 
 
 # -- the scripts, end to end -----------------------------------------------------------------------

@@ -257,6 +257,26 @@ def test_workers_are_reused_and_idle_ones_beyond_the_keep_end(jobs: HostJobs) ->
     assert set(again) <= ran_on
 
 
+def test_a_chain_of_jobs_runs_on_one_thread(jobs: HostJobs) -> None:
+    """A job made ready by another's completion is that worker's next job: no
+    hand-off to another thread (and no new thread) per link of a chain."""
+    go = threading.Event()
+    ran_on: list[int] = []
+
+    def link() -> None:
+        ran_on.append(threading.get_ident())
+
+    first = jobs.run(lambda: go.wait(30) and link())
+    last = first
+    for _ in range(20):
+        last = jobs.run(link, [last])
+    fan = [jobs.run(link, [last]) for _ in range(3)]  # one keeps the thread, two go
+    go.set()
+    assert all(call.wait(10) and not call.failed for call in fan)
+    assert len(set(ran_on[:21])) == 1
+    assert len(ran_on) == 24
+
+
 def test_closing_refuses_new_jobs_runs_ready_ones_and_ends_every_worker() -> None:
     jobs = HostJobs("closing-jobs")
     release = threading.Event()

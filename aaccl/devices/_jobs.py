@@ -23,6 +23,11 @@ JOB_WORKERS = 8
 numpy, lz4 and memory copies release the GIL, so a few threads per core keep every
 core busy."""
 
+LINGER = 1.0
+"""Seconds an idle worker beyond `JOB_WORKERS` waits for a job before it ends: a
+pipeline whose bursts need a few more workers reuses them instead of starting a
+thread per burst."""
+
 
 class HostJobs:
     """Runs jobs after their dependencies on worker threads; a job that raises
@@ -33,9 +38,15 @@ class HostJobs:
     kernel or the event loop sets, on I/O); with a fixed number of workers, as many
     blocked kernels would hold back every transfer and kernel behind them, and a
     kernel waiting for one queued behind it would never finish. Workers that find
-    no job wait for the next one, up to `JOB_WORKERS` of them; the others end. So
-    threads are reused, and there are as many as jobs ran at once at the peak, plus
-    at most `JOB_WORKERS` idle ones.
+    no job wait for the next one, up to `JOB_WORKERS` of them; the others wait
+    `LINGER` seconds, then end. So threads are reused, and there are as many as jobs
+    ran at once at the peak, plus at most `JOB_WORKERS` idle ones a second later.
+
+    A worker whose job ends completes its call on its own thread, and the calls that
+    completion makes ready start there and then: the first ready job is the
+    worker's own next job (it counts as idle while it completes), so a chain of
+    jobs (transfer -> kernel -> transfer) runs on one thread, with no hand-off to
+    another thread for each link.
     """
 
     def __init__(self, name: str) -> None:
@@ -43,19 +54,26 @@ class HostJobs:
         self._lock = threading.Condition(threading.Lock())
         self._ready: deque[tuple[DeviceCall, Job]] = deque()  # not yet taken by a worker
         self._idle = 0  # workers waiting for a job
+        self._claimed = 0  # ready jobs that a worker completing its call will take
         self._closed = False
+        self._local = threading.local()  # .spare: this worker is completing its job
 
     def run(self, job: Job, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
         return start_after(DeviceCall(None), waitfor, lambda call: self._submit(call, job))
 
     def _submit(self, call: DeviceCall, job: Job) -> None:
+        local = self._local
         with self._lock:
             if self._closed:
                 closed = True
             else:
                 closed = False
                 self._ready.append((call, job))
-                if self._idle >= len(self._ready):  # an idle worker for each ready job
+                if getattr(local, "spare", False):  # our worker takes it once it completed
+                    local.spare = False
+                    self._claimed += 1
+                    return
+                if self._idle + self._claimed >= len(self._ready):  # a worker for each
                     self._lock.notify()
                     return
         if closed:
@@ -65,16 +83,28 @@ class HostJobs:
         threading.Thread(target=self._work, name=self._name, daemon=True).start()
 
     def _work(self) -> None:
+        local = self._local
+        claimed = False
         while True:
             with self._lock:
+                if claimed:  # a ready job is ours (or another's, and then one of theirs)
+                    self._claimed -= 1
                 while not self._ready:
-                    if self._closed or self._idle >= JOB_WORKERS:
+                    if self._closed:
                         return
+                    extra = self._idle >= JOB_WORKERS
                     self._idle += 1
-                    self._lock.wait()
+                    woken = self._lock.wait(LINGER if extra else None)
                     self._idle -= 1
+                    if extra and not woken and not self._ready:
+                        return
                 call, job = self._ready.popleft()
-            _execute(call, job)
+            error = _execute(call, job)
+            local.spare = True  # (not while the job runs: it may wait for jobs it starts)
+            try:
+                _complete(call, error)
+            finally:
+                claimed, local.spare = not local.spare, False
 
     def close(self) -> None:
         """Refuse new jobs; jobs already ready still run, then every worker ends."""
@@ -83,11 +113,18 @@ class HostJobs:
             self._lock.notify_all()
 
 
-def _execute(call: DeviceCall, job: Job) -> None:
+def _execute(call: DeviceCall, job: Job) -> BaseException | None:
+    """Run the job; what it raised, if anything."""
     call.mark_started()
     try:
         job()
     except BaseException as error:  # the job's own failure is the call's result
+        return error
+    return None
+
+
+def _complete(call: DeviceCall, error: BaseException | None) -> None:
+    if error is None:
+        call.complete()
+    else:
         call.complete(error=error if isinstance(error, Exception) else DeviceError(repr(error)))
-        return
-    call.complete()
