@@ -38,6 +38,11 @@ _NONE = -1
 Combine = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 
 
+_ALL_ALIKE = frozenset({Scenario.ALLREDUCE, Scenario.REDUCE, Scenario.ALLGATHER,
+                        Scenario.GATHER})
+"""Collectives to which every rank contributes `count` elements."""
+
+
 def share(fp: Fingerprint, rank: int) -> int:
     """Elements `rank` contributes to a collective (the root's layout for rooted ones)."""
     scenario, count, _, _, root, _, size = fp
@@ -52,11 +57,20 @@ def share(fp: Fingerprint, rank: int) -> int:
     return count
 
 
+_ITEMSIZE = {code: np.dtype(code).itemsize for code in ("<f2", "<f4", "<f8", "<i4", "<i8")}
+
+
 def fits(fp: Fingerprint) -> bool:
     """Every rank's share of the data rides in its block (no compression on the wire)."""
-    _, _, dtype, wire, root, _, _ = fp
-    most = share(fp, 0 if root is None else root)  # the root's share is the largest
-    return dtype == wire and most * np.dtype(dtype).itemsize <= INLINE
+    scenario, count, dtype, wire, root, _, size = fp
+    if dtype != wire:
+        return False
+    if scenario in _ALL_ALIKE:  # (`share`, inline: this is on every collective's path)
+        most = count or 0
+    else:
+        most = share(fp, 0 if root is None else root)  # the root's share is the largest
+    itemsize = _ITEMSIZE.get(dtype) or np.dtype(dtype).itemsize
+    return most * itemsize <= INLINE
 
 
 def encode(out: np.ndarray, fp: Fingerprint, data: np.ndarray | None = None,
@@ -109,7 +123,10 @@ def agree(gathered: np.ndarray, size: int) -> bool:
     first = raw[:_HEADER.size]
     if _STATE.unpack_from(first)[0] != RUNS:
         return False
-    return all(raw[k * BLOCK:k * BLOCK + _HEADER.size] == first for k in range(1, size))
+    for start in range(BLOCK, size * BLOCK, BLOCK):  # (a loop: no generator to resume)
+        if raw[start:start + _HEADER.size] != first:
+            return False
+    return True
 
 
 def settle(fp: Fingerprint, rank: int, gathered: np.ndarray, op0: np.ndarray,
@@ -121,9 +138,13 @@ def settle(fp: Fingerprint, rank: int, gathered: np.ndarray, op0: np.ndarray,
     if count is None or count == 0:
         return
     dtype = np.dtype(dtype_str)
-    start = _HEADER.size
-    parts = [gathered[k * BLOCK + start:k * BLOCK + start + share(fp, k) * dtype.itemsize]
-             .view(dtype) for k in range(size)]
+    if scenario in _ALL_ALIKE:  # one strided view of every rank's share
+        parts = gathered.reshape(size, BLOCK)[:, _HEADER.size:_HEADER.size
+                                              + count * dtype.itemsize].view(dtype)
+    else:
+        start = _HEADER.size
+        parts = [gathered[k * BLOCK + start:k * BLOCK + start + share(fp, k) * dtype.itemsize]
+                 .view(dtype) for k in range(size)]
     mine = slice(rank * count, (rank + 1) * count)
     if scenario == Scenario.BCAST:
         if rank != root:
