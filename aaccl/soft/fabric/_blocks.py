@@ -81,13 +81,13 @@ def encode(out: np.ndarray, fp: Fingerprint, data: np.ndarray | None = None,
     _HEADER.pack_into(out, 0, state, code, scenario, _NONE if count is None else count,
                       dtype.encode(), wire.encode(), _NONE if root is None else root,
                       _NONE if function is None else function, size)
-    tail = out[_HEADER.size:]
     if state != RUNS:
+        tail = out[_HEADER.size:]
         text = why.encode()[:INLINE]
         tail[:len(text)] = np.frombuffer(text, np.uint8)
         tail[len(text):] = 0
     elif data is not None and data.nbytes:
-        tail[:data.nbytes] = data.reshape(-1).view(np.uint8)
+        out[_HEADER.size:_HEADER.size + data.nbytes] = data.reshape(-1).view(np.uint8)
 
 
 class Block:
@@ -129,6 +129,13 @@ def agree(gathered: np.ndarray, size: int) -> bool:
     return True
 
 
+_BCAST, _SCATTER, _GATHER, _ALLGATHER, _ALLTOALL, _REDUCE, _ALLREDUCE, _REDUCE_SCATTER = (
+    int(scenario) for scenario in (Scenario.BCAST, Scenario.SCATTER, Scenario.GATHER,
+                                   Scenario.ALLGATHER, Scenario.ALLTOALL, Scenario.REDUCE,
+                                   Scenario.ALLREDUCE, Scenario.REDUCE_SCATTER))
+_DTYPES: dict[str, np.dtype] = {}
+
+
 def settle(fp: Fingerprint, rank: int, gathered: np.ndarray, op0: np.ndarray,
            res: np.ndarray, combine: Combine) -> None:
     """Complete a collective whose data rode in the blocks (`gathered`, which
@@ -137,32 +144,36 @@ def settle(fp: Fingerprint, rank: int, gathered: np.ndarray, op0: np.ndarray,
     scenario, count, dtype_str, _, root, _, size = fp
     if count is None or count == 0:
         return
-    dtype = np.dtype(dtype_str)
-    if scenario in _ALL_ALIKE:  # one strided view of every rank's share
-        parts = gathered.reshape(size, BLOCK)[:, _HEADER.size:_HEADER.size
-                                              + count * dtype.itemsize].view(dtype)
-    else:
-        start = _HEADER.size
-        parts = [gathered[k * BLOCK + start:k * BLOCK + start + share(fp, k) * dtype.itemsize]
-                 .view(dtype) for k in range(size)]
+    dtype = _DTYPES.get(dtype_str)
+    if dtype is None:
+        dtype = _DTYPES[dtype_str] = np.dtype(dtype_str)
+    if scenario in _ALL_ALIKE:  # every rank's share at once: rows of one strided view
+        parts = np.ndarray((size, count), dtype, gathered, _HEADER.size,
+                           (BLOCK, dtype.itemsize))
+        if scenario == _ALLREDUCE or scenario == _REDUCE:  # (first: the most frequent)
+            if scenario == _REDUCE and rank != root:
+                return
+            out = res[:count]
+            combine(parts[0], parts[1], out) if size > 1 else np.copyto(out, parts[0])
+            for k in range(2, size):
+                combine(out, parts[k], out)
+        elif scenario == _ALLGATHER or rank == root:  # (a gather's)
+            res[:size * count] = parts.reshape(-1)
+        return
+    start = _HEADER.size
+    parts = [gathered[k * BLOCK + start:k * BLOCK + start + share(fp, k) * dtype.itemsize]
+             .view(dtype) for k in range(size)]
     mine = slice(rank * count, (rank + 1) * count)
-    if scenario == Scenario.BCAST:
+    if scenario == _BCAST:
         if rank != root:
             op0[:count] = parts[root]
-    elif scenario == Scenario.SCATTER:
+    elif scenario == _SCATTER:
         res[:count] = parts[root][mine]
-    elif scenario in (Scenario.GATHER, Scenario.ALLGATHER):
-        if scenario == Scenario.ALLGATHER or rank == root:
-            for k, part in enumerate(parts):
-                res[k * count:(k + 1) * count] = part
-    elif scenario == Scenario.ALLTOALL:
+    elif scenario == _ALLTOALL:
         for k, part in enumerate(parts):
             res[k * count:(k + 1) * count] = part[mine]
-    elif scenario in (Scenario.REDUCE, Scenario.ALLREDUCE, Scenario.REDUCE_SCATTER):
-        if scenario == Scenario.REDUCE and rank != root:
-            return
-        if scenario == Scenario.REDUCE_SCATTER:
-            parts = [part[mine] for part in parts]
+    elif scenario == _REDUCE_SCATTER:
+        parts = [part[mine] for part in parts]
         out = res[:count]
         combine(parts[0], parts[1], out) if size > 1 else np.copyto(out, parts[0])
         for part in parts[2:]:
