@@ -18,11 +18,12 @@ For each process count (`--procs`, default 2 and 4) the script runs itself under
 - for information, the same aaccl allreduce on host buffers (the driver copies the
   input to the device before the call and the result back after it);
 
-- for reference, the floor: what aaccl's allreduce does, without aaccl: MPI's
-  allgather of a 512-byte block per rank (aaccl's opening) holding the data if it
-  fits, else followed by MPI's `Iallreduce`, each awaited by an asyncio task that
-  polls it as aaccl's tasks do. No awaitable collective with such an opening can be
-  faster here;
+- for reference, the floor: what bounds an awaitable collective with aaccl's
+  opening, without aaccl: MPI's nonblocking allgather of a 512-byte block per rank
+  holding the data if it fits (else followed by MPI's `Iallreduce`), tested by an
+  asyncio task that spins on it (no turn of the event loop between tests; a vain
+  test yields the core, as aaccl's polls do), and the sum of the blocks' data. No
+  awaitable collective with such an opening can be faster here;
 - for comparison, aaccl with the world's collectives on the soft CCLO's own schedules
   over messages (AACCL_MPI_COLLECTIVES=0) instead of MPI's nonblocking collectives;
 
@@ -94,7 +95,8 @@ LABELS = {"mpi": "mpi4py Allreduce", "floor": "floor (no aaccl)",
           "aaccl_schedules": "aaccl, schedules"}
 """aaccl_schedules: device buffers, the world's collectives on the soft CCLO's own
 schedules over messages (AACCL_MPI_COLLECTIVES=0) instead of MPI's collectives.
-floor: what aaccl's allreduce does, without aaccl (`floor_side`)."""
+floor: what bounds an awaitable allreduce with aaccl's opening, without aaccl
+(`floor_side`)."""
 
 
 def bus_factor(procs: int) -> float:
@@ -153,11 +155,13 @@ def mpi_side(timer: Timer, src: np.ndarray, dst: np.ndarray, iters: int,
 async def floor_side(timer: Timer, src: np.ndarray, dst: np.ndarray, iters: int,
                      warmup: int) -> list[Span]:
     """The least an awaited allreduce with aaccl's opening costs here, whatever
-    library runs it: MPI's allgather of a block per rank (holding the data, if it
-    fits), then, for data that does not, MPI's Iallreduce; each awaited by an asyncio
-    task that polls it as aaccl's tasks do (a vain test yields the core, then the
-    event loop), and the sum of the blocks' data. Nothing else: no fingerprint
-    check, no device memory, no call object, no dependencies."""
+    library runs it: MPI's nonblocking allgather of a block per rank (holding the
+    data, if it fits), then, for data that does not, MPI's Iallreduce; the asyncio
+    task that awaits each spins on MPI's test (no turn of the event loop between
+    tests, which would cost more than the whole round trip; a vain test yields the
+    core, as aaccl's polls do, for the peer that shares it), then sums the blocks'
+    data. Nothing else: no fingerprint check, no device memory, no call object, no
+    dependencies."""
     from mpi4py import MPI
 
     from aaccl.soft.fabric._blocks import BLOCK, INLINE  # the opening's block, its data's room
@@ -171,23 +175,20 @@ async def floor_side(timer: Timer, src: np.ndarray, dst: np.ndarray, iters: int,
     gathered = np.empty(size * BLOCK, np.uint8)
     parts = gathered.reshape(size, BLOCK)[:, head:head + nbytes].view(src.dtype) \
         if inline else None
+    sched_yield = os.sched_yield
 
-    class Awaited:
-        def __init__(self, request: Any) -> None:
-            self.request = request
+    def spin(request: Any) -> None:
+        while not request.Test():
+            sched_yield()
 
-        def __await__(self) -> Any:
-            while not self.request.Test():
-                os.sched_yield()
-                yield  # a bare yield: asyncio runs the other tasks once, then us
     for i in range(warmup + iters):
         comm.Barrier()
         start = time.perf_counter()
-        await Awaited(comm.Iallgather(block, gathered))
+        spin(comm.Iallgather(block, gathered))
         if parts is not None:
             np.add.reduce(parts, axis=0, out=dst)
         else:
-            await Awaited(comm.Iallreduce(src, dst, MPI.SUM))
+            spin(comm.Iallreduce(src, dst, MPI.SUM))
         end = time.perf_counter()
         span = timer.span(start, end)
         if i >= warmup and span is not None:

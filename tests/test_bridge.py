@@ -73,6 +73,33 @@ async def test_an_answer_found_by_polling_resumes_the_task_without_parking(patie
     assert poller.threads == {threading.get_ident()}  # polled on the loop's thread
 
 
+async def test_a_task_spins_before_its_first_turn_of_the_loop(
+        patient: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within SPIN_FOR (and while the loop turned lately: TURN_EVERY) a task polls
+    with no turn of the event loop between polls: the other tasks do not run."""
+    import time
+
+    monkeypatch.setattr(_bridge, "SPIN_FOR", 60.0)
+    event = Event()
+    poller = Poller(event, answer_at=50)
+    turns = 0
+
+    async def other() -> None:
+        nonlocal turns
+        while not event.happened:
+            turns += 1
+            await anyio.sleep(0)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(other)
+            await anyio.sleep(0)
+            before = turns
+            monkeypatch.setattr(_bridge, "_next_turn", time.monotonic() + 60)
+            await _bridge.wait(event.register, poller)
+            assert turns == before and poller.polls == 50
+
+
 async def test_polling_yields_to_the_other_tasks(patient: None) -> None:
     event = Event()
     poller = Poller(event, answer_at=None)

@@ -31,30 +31,89 @@ class Poller(Protocol):
         takes over."""
 
 
+SPIN_FOR = 50e-6
+"""Seconds a task spins on its poller (polls with no turn of the event loop between
+them) before its first turn of the loop: over MPI a peer close behind answers within
+a round trip of a few microseconds, and a turn of the loop costs more than that.
+(A vain poll yields the core to another process: see MPIFabric.poll.)"""
+
 POLL_FOR = 0.002
-"""Seconds a task polls (then yields to the other tasks, and again) before it leaves
-the waiting to the device's own thread: a quick answer then costs no thread hop and
-no wake-up of the loop, and a long wait costs no core."""
+"""Seconds a task polls (after its spin, yielding to the other tasks between polls)
+before it leaves the waiting to the device's own thread: a quick answer then costs no
+thread hop and no wake-up of the loop, and a long wait costs no core."""
 
 TURN_EVERY = 0.001
-"""On asyncio, a task whose poll answers its call at once goes on without a turn of
-the event loop (a turn costs more than the rest of a small call's wait), unless the
-loop has not turned for this many seconds: the other tasks still run, and a timeout
-or cancel scope around a loop of such calls still fires. (trio checkpoints anyway.)"""
+"""A task whose poll answers its call goes on without a turn of the event loop (a
+turn costs more than the rest of a small call's wait), and one that spins spins on,
+unless the loop has not turned for this many seconds: the other tasks still run, and
+a timeout or cancel scope around a loop of such calls still fires."""
 _next_turn = 0.0  # (monotonic) when a polling task next lets the loop turn
 
 
 async def wait(register: Register, poller: Poller | None = None,
                forget: Forget | None = None) -> None:
     """Suspend the current task until the registered `wake` is called from any thread;
-    with a `poller`, poll it for a while first. If the task is cancelled meanwhile,
-    `forget(wake)` unregisters it (so that waits retried under timeouts add none)."""
+    with a `poller`, poll it for a while first: for up to SPIN_FOR without a turn of
+    the event loop, then with one between polls, up to POLL_FOR in all. If the task
+    is cancelled meanwhile, `forget(wake)` unregisters it (so that waits retried under
+    timeouts add none).
+
+    On asyncio (inline here: a small call's wait is on the path of every call) the
+    loop's future is only made if the task suspends for good (it parks)."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         await _wait_trio(register, poller, forget)
-    else:
-        await _wait_asyncio(loop, register, poller, forget)
+        return
+    global _next_turn
+    home = threading.get_ident()
+    woke = False
+    future: asyncio.Future[None] | None = None
+
+    def wake() -> None:
+        nonlocal woke
+        woke = True
+        waiting = future  # (set before the task reads `woke` again: see below)
+        if waiting is not None:
+            try:
+                if threading.get_ident() == home:
+                    _resolve(waiting)
+                else:
+                    loop.call_soon_threadsafe(_resolve, waiting)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                pass
+
+    if not register(wake):
+        return
+    try:
+        if poller is not None:
+            now = time.monotonic()
+            spin_until, until = now + SPIN_FOR, now + POLL_FOR
+            while True:
+                poller.poll()
+                if woke:
+                    if time.monotonic() < _next_turn:
+                        return
+                    await asyncio.sleep(0)
+                    _next_turn = time.monotonic() + TURN_EVERY
+                    return
+                now = time.monotonic()
+                if now < spin_until and now < _next_turn:
+                    continue
+                if now >= until:
+                    poller.park()
+                    break
+                await asyncio.sleep(0)
+                _next_turn = time.monotonic() + TURN_EVERY
+                if woke:
+                    return
+        future = loop.create_future()
+        if not woke:  # (a wake from another thread sees `future` now, or set `woke`)
+            await future
+    except BaseException:
+        if forget is not None:
+            forget(wake)
+        raise
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -62,48 +121,11 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-async def _wait_asyncio(loop: asyncio.AbstractEventLoop, register: Register,
-                        poller: Poller | None, forget: Forget | None) -> None:
-    future: asyncio.Future[None] = loop.create_future()
-    home = threading.get_ident()
-
-    def wake() -> None:
-        try:
-            if threading.get_ident() == home:
-                _resolve(future)
-            else:
-                loop.call_soon_threadsafe(_resolve, future)
-        except RuntimeError:  # the loop is closed: nobody is waiting any more
-            pass
-
-    global _next_turn
-    if register(wake):
-        try:
-            if poller is not None:
-                until = time.monotonic() + POLL_FOR
-                while True:
-                    poller.poll()
-                    now = time.monotonic()
-                    if future.done() and now < _next_turn:
-                        return
-                    if not future.done() and now >= until:
-                        poller.park()
-                        break
-                    await asyncio.sleep(0)
-                    _next_turn = time.monotonic() + TURN_EVERY
-                    if future.done():
-                        break
-            await future
-        except BaseException:
-            if forget is not None:
-                forget(wake)
-            raise
-
-
 async def _wait_trio(register: Register, poller: Poller | None,
                      forget: Forget | None) -> None:
     import trio
 
+    global _next_turn
     task = trio.lowlevel.current_task()
     token = trio.lowlevel.current_trio_token()
     home = threading.get_ident()
@@ -135,10 +157,19 @@ async def _wait_trio(register: Register, poller: Poller | None,
     if register(wake):
         try:
             if poller is not None:
-                until = time.monotonic() + POLL_FOR
-                while waiting and time.monotonic() < until:
+                now = time.monotonic()
+                spin_until, until = now + SPIN_FOR, now + POLL_FOR
+                while waiting and now < until:
                     poller.poll()
+                    now = time.monotonic()
+                    if waiting:
+                        if now < spin_until and now < _next_turn:
+                            continue  # spin: no checkpoint between polls
+                    elif now < _next_turn:
+                        return  # answered, and the loop turned lately
                     await trio.lowlevel.checkpoint()
+                    now = time.monotonic()
+                    _next_turn = now + TURN_EVERY
                 if not waiting:
                     return
                 parked = True

@@ -38,6 +38,11 @@ _NONE = -1
 Combine = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 
 
+_ALL_ALIKE = frozenset({Scenario.ALLREDUCE, Scenario.REDUCE, Scenario.ALLGATHER,
+                        Scenario.GATHER})
+"""Collectives to which every rank contributes `count` elements."""
+
+
 def share(fp: Fingerprint, rank: int) -> int:
     """Elements `rank` contributes to a collective (the root's layout for rooted ones)."""
     scenario, count, _, _, root, _, size = fp
@@ -52,11 +57,20 @@ def share(fp: Fingerprint, rank: int) -> int:
     return count
 
 
+_ITEMSIZE = {code: np.dtype(code).itemsize for code in ("<f2", "<f4", "<f8", "<i4", "<i8")}
+
+
 def fits(fp: Fingerprint) -> bool:
     """Every rank's share of the data rides in its block (no compression on the wire)."""
-    _, _, dtype, wire, root, _, _ = fp
-    most = share(fp, 0 if root is None else root)  # the root's share is the largest
-    return dtype == wire and most * np.dtype(dtype).itemsize <= INLINE
+    scenario, count, dtype, wire, root, _, size = fp
+    if dtype != wire:
+        return False
+    if scenario in _ALL_ALIKE:  # (`share`, inline: this is on every collective's path)
+        most = count or 0
+    else:
+        most = share(fp, 0 if root is None else root)  # the root's share is the largest
+    itemsize = _ITEMSIZE.get(dtype) or np.dtype(dtype).itemsize
+    return most * itemsize <= INLINE
 
 
 def encode(out: np.ndarray, fp: Fingerprint, data: np.ndarray | None = None,
@@ -69,13 +83,13 @@ def encode(out: np.ndarray, fp: Fingerprint, data: np.ndarray | None = None,
                       _NONE if count is None else count,
                       dtype.encode(), wire.encode(), _NONE if root is None else root,
                       _NONE if function is None else function, size)
-    tail = out[_HEADER.size:]
     if state != RUNS:
+        tail = out[_HEADER.size:]
         text = why.encode()[:INLINE]
         tail[:len(text)] = np.frombuffer(text, np.uint8)
         tail[len(text):] = 0
     elif data is not None and data.nbytes:
-        tail[:data.nbytes] = data.reshape(-1).view(np.uint8)
+        out[_HEADER.size:_HEADER.size + data.nbytes] = data.reshape(-1).view(np.uint8)
 
 
 class Block:
@@ -85,7 +99,7 @@ class Block:
 
     def __init__(self, raw: np.ndarray) -> None:
         state, code, scenario, count, dtype, wire, root, function, size = \
-            _HEADER.unpack_from(raw, 0)  # type: ignore[arg-type]  # (see `encode`)
+            _HEADER.unpack_from(raw, 0)  # type: ignore[arg-type]  # (a buffer: see encode)
         self.state, self.code = state, code
         self.fp: Fingerprint = (scenario, None if count == _NONE else count,
                                 dtype.rstrip(b"\0").decode(), wire.rstrip(b"\0").decode(),
@@ -107,11 +121,21 @@ def agree(gathered: np.ndarray, size: int) -> bool:
     """Whether every rank's call runs, all with the same fingerprint: then their
     headers are the same bytes, so this compares bytes and decodes nothing (it runs
     for every collective; `read` is for the rare exchange that disagrees)."""
-    raw = memoryview(gathered)  # type: ignore[arg-type]  # (see `encode`)
+    raw = memoryview(gathered)  # type: ignore[arg-type]  # (a buffer: see encode)
     first = raw[:_HEADER.size]
     if _STATE.unpack_from(first)[0] != RUNS:
         return False
-    return all(raw[k * BLOCK:k * BLOCK + _HEADER.size] == first for k in range(1, size))
+    for start in range(BLOCK, size * BLOCK, BLOCK):  # (a loop: no generator to resume)
+        if raw[start:start + _HEADER.size] != first:
+            return False
+    return True
+
+
+_BCAST, _SCATTER, _GATHER, _ALLGATHER, _ALLTOALL, _REDUCE, _ALLREDUCE, _REDUCE_SCATTER = (
+    int(scenario) for scenario in (Scenario.BCAST, Scenario.SCATTER, Scenario.GATHER,
+                                   Scenario.ALLGATHER, Scenario.ALLTOALL, Scenario.REDUCE,
+                                   Scenario.ALLREDUCE, Scenario.REDUCE_SCATTER))
+_DTYPES: dict[str, np.dtype] = {}
 
 
 def settle(fp: Fingerprint, rank: int, gathered: np.ndarray, op0: np.ndarray | None,
@@ -123,33 +147,42 @@ def settle(fp: Fingerprint, rank: int, gathered: np.ndarray, op0: np.ndarray | N
     scenario, count, dtype_str, _, root, _, size = fp
     if count is None or count == 0:
         return
-    dtype = np.dtype(dtype_str)
+    dtype = _DTYPES.get(dtype_str)
+    if dtype is None:
+        dtype = _DTYPES[dtype_str] = np.dtype(dtype_str)
+    if scenario in _ALL_ALIKE:  # every rank's share at once: rows of one strided view
+        parts = np.ndarray((size, count), dtype, gathered, _HEADER.size,
+                           (BLOCK, dtype.itemsize))
+        if scenario == _ALLREDUCE or scenario == _REDUCE:  # (first: the most frequent)
+            if scenario == _REDUCE and rank != root:
+                return
+            assert res is not None
+            out = res[:count]
+            combine(parts[0], parts[1], out) if size > 1 else np.copyto(out, parts[0])
+            for k in range(2, size):
+                combine(out, parts[k], out)
+        elif scenario == _ALLGATHER or rank == root:  # (a gather's)
+            assert res is not None
+            res[:size * count] = parts.reshape(-1)
+        return
     start = _HEADER.size
     parts = [gathered[k * BLOCK + start:k * BLOCK + start + share(fp, k) * dtype.itemsize]
              .view(dtype) for k in range(size)]
     mine = slice(rank * count, (rank + 1) * count)
-    if scenario == Scenario.BCAST:
+    if scenario == _BCAST:
         if rank != root:
             assert op0 is not None
             op0[:count] = parts[root]
-    elif scenario == Scenario.SCATTER:
+    elif scenario == _SCATTER:
         assert res is not None
         res[:count] = parts[root][mine]
-    elif scenario in (Scenario.GATHER, Scenario.ALLGATHER):
-        if scenario == Scenario.ALLGATHER or rank == root:
-            assert res is not None
-            for k, part in enumerate(parts):
-                res[k * count:(k + 1) * count] = part
-    elif scenario == Scenario.ALLTOALL:
+    elif scenario == _ALLTOALL:
         assert res is not None
         for k, part in enumerate(parts):
             res[k * count:(k + 1) * count] = part[mine]
-    elif scenario in (Scenario.REDUCE, Scenario.ALLREDUCE, Scenario.REDUCE_SCATTER):
-        if scenario == Scenario.REDUCE and rank != root:
-            return
-        if scenario == Scenario.REDUCE_SCATTER:
-            parts = [part[mine] for part in parts]
+    elif scenario == _REDUCE_SCATTER:
         assert res is not None
+        parts = [part[mine] for part in parts]
         out = res[:count]
         combine(parts[0], parts[1], out) if size > 1 else np.copyto(out, parts[0])
         for part in parts[2:]:

@@ -82,19 +82,27 @@ class Turn(Wait):
 
 
 class Matched(Wait):
-    """An MPI collective in flight; ending the call leaves it to finish alone."""
+    """An MPI collective in flight (made with RECEIVE_TIMEOUT); ending the call leaves
+    it to finish alone."""
 
     __slots__ = ()
-
-    def __init__(self) -> None:
-        super().__init__(RECEIVE_TIMEOUT)
 
     def expire(self) -> bool:
         return True
 
 
+TAKEN = Turn()
+TAKEN.set(None)
+"""The turn of a call whose opening started before it waited for its turn (in its own
+`start`, most often): one done wait for all of them, nothing to tell."""
+
+
 class Op:
-    """One collective call's place in the lane."""
+    """One collective call's place in the lane.
+
+    Its waits are made as they are needed: `turn` once its call waits for it (while
+    it is None, nobody waits: the lane sets it done itself, TAKEN or with why), and
+    `moved` once MPI moves the data in a collective of its own."""
 
     __slots__ = ("index", "fp", "block", "transfer", "turn", "opening", "moved", "gathered",
                  "issued", "finished")
@@ -104,7 +112,9 @@ class Op:
         self.fp = fp  # its call's, for a pending block (None: it takes its turn when it runs)
         self.block: np.ndarray | None = None  # set when the call starts or is withdrawn
         self.transfer: Callable[[], Any] | None = None  # starts the data's MPI collective
-        self.turn, self.opening, self.moved = Turn(), Matched(), Matched()
+        self.turn: Wait | None = None
+        self.opening = Matched(RECEIVE_TIMEOUT)
+        self.moved: Wait | None = None
         self.gathered: np.ndarray | None = None
         self.issued = False  # its opening has started
         self.finished = False  # MPI is done with all of it
@@ -135,12 +145,13 @@ class Lane:
     # -- engine context -------------------------------------------------------------
 
     def admit(self, fp: Fingerprint | None = None) -> Op:
-        """A collective was submitted: its place, in submission order."""
-        with self._lock:
-            op = Op(self._admitted, fp)
-            self._admitted += 1
-            self._queue.append(op)
-            self._order.append(op)
+        """A collective was submitted: its place, in submission order. (No lock: only
+        engine context admits, and a poller's `_pump` never starts the queue's last
+        op before its call starts it: it is not ready, nor is one behind it.)"""
+        op = Op(self._admitted, fp)
+        self._admitted += 1
+        self._order.append(op)  # (first: `_finish` pops finished ops from there)
+        self._queue.append(op)
         return op
 
     @property
@@ -151,22 +162,17 @@ class Lane:
         order = self._order
         return order[0].index if order else self._admitted
 
-    def start(self, op: Op, block: np.ndarray, transfer: Callable[[], Any] | None) -> None:
-        """The call runs: its block is ready, and so is its data's transfer (if the
-        opening agrees on one). In engine context, from the call itself: if its
-        opening started right away, its turn is over before it waits for it (no
-        event for that)."""
-        self._update(op, block, transfer)
-        if op.issued and op.turn.waiter is None and not op.finished:
-            op.turn.set(None)  # (the event posted for it finds it done)
-
     def withdraw(self, op: Op, block: np.ndarray) -> None:
         """The call will not run (or gave up before its turn): it takes its turn with
         `block`, which says why; a call whose opening is in flight is left to it."""
-        self._update(op, block, None, withdrawn=True)
+        self.start(op, block, None, withdrawn=True)
 
-    def _update(self, op: Op, block: np.ndarray, transfer: Callable[[], Any] | None,
-                withdrawn: bool = False) -> None:
+    def start(self, op: Op, block: np.ndarray, transfer: Callable[[], Any] | None,
+              withdrawn: bool = False) -> None:
+        """The call runs: its block is ready, and so is its data's transfer (if the
+        opening agrees on one). In engine context, from the call itself: if its
+        opening starts right away, its turn is over before it waits for it (`op.turn`
+        is done: no event for that). (`withdrawn`: see `withdraw`.)"""
         events: list[tuple[Post, tuple[Any, ...]]] = []
         with self._lock:
             if not op.issued:  # (else MPI has its opening, and its turn is over)
@@ -176,23 +182,44 @@ class Lane:
                 if self.stuck:  # has the late peer come meanwhile?
                     self._test(events)
                 if self.stuck and not withdrawn:
-                    events.append((op.turn.set, (self.stuck,)))
+                    self._turn(op, self.stuck, events)
                 self._pump(events)
-        self._emit(events)
+                if not op.issued and op.turn is None and not withdrawn:
+                    op.turn = Turn()  # its call waits for it: set by an event
+        if events:
+            self._emit(events)
 
     # -- any thread -----------------------------------------------------------------
 
     def poll(self, before: Callable[[], object] | None = None) -> bool:
         """Test what is in flight; True if anything ended. `before` runs before what
-        ended is told to the engine (see MPIFabric._poll_once)."""
-        if self._opening is None and not self._moving:
-            return False
-        events: list[tuple[Post, tuple[Any, ...]]] = []
-        with self._lock:
-            came = self._test(events)
-        if events and before is not None:
-            before()
-        self._emit(events)
+        ended is told to the engine (see MPIFabric._poll_once). (A vain test of an
+        opening, the most frequent, calls no Python function.)"""
+        if self._moving:
+            events: list[tuple[Post, tuple[Any, ...]]] = []
+            with self._lock:
+                came = self._test(events)
+        else:
+            if self._opening is None:
+                return False
+            with self._lock:
+                opening = self._opening
+                if opening is None:
+                    return False
+                try:
+                    done: bool | Exception = opening[0].Test()
+                except Exception as error:
+                    done = error
+                if done is False:
+                    return False
+                events = []
+                came = self._test(events, done)
+        if events:
+            if before is not None:
+                before()
+            post = self._post
+            for fn, args in events:
+                post(fn, *args)
         return came
 
     @property
@@ -226,7 +253,8 @@ class Lane:
             if hopeless:
                 self._moving = [(r, op) for r, op in self._moving if op.index < index]
                 self._graveyard += hopeless
-                events += [(op.moved.set, (why,)) for _, op in hopeless]
+                events += [(op.moved.set, (why,)) for _, op in hopeless
+                           if op.moved is not None]
             self._pump(events)
         self._emit(events)
 
@@ -235,6 +263,19 @@ class Lane:
     def _emit(self, events: list[tuple[Post, tuple[Any, ...]]]) -> None:
         for fn, args in events:
             self._post(fn, *args)
+
+    @staticmethod
+    def _turn(op: Op, why: Any, events: list[tuple[Post, tuple[Any, ...]]]) -> None:
+        """Tell `op`'s call its turn is over (`why` it fails, if it does): an event if
+        the call waits for it, else its turn is set done here (nobody waits on it)."""
+        turn = op.turn
+        if turn is not None:
+            events.append((turn.set, (why,)))
+        elif why is None:
+            op.turn = TAKEN
+        else:
+            op.turn = turn = Turn()
+            turn.set(why)
 
     @staticmethod
     def _cannot(gone: str) -> Aborted:
@@ -255,12 +296,12 @@ class Lane:
             self._queue.popleft()
             op.issued = True
             if self._dead_from is not None and op.index >= self._dead_from:
-                events.append((op.turn.set, (self._dead_why,)))  # no peer would match it
+                self._turn(op, self._dead_why, events)  # no peer would match it
                 self._finish(op)
                 continue
             gone = self._gone()
             if gone is not None:
-                events.append((op.turn.set, (None,)))
+                self._turn(op, None, events)
                 events.append((op.opening.set, (self._cannot(gone),)))
                 self._finish(op)
                 continue
@@ -268,19 +309,26 @@ class Lane:
             try:
                 request = self.comm.Iallgather(op.block, op.gathered)
             except Exception as error:  # MPI failed (a peer died)
-                events.append((op.turn.set, (None,)))
+                self._turn(op, None, events)
                 events.append((op.opening.set, (str(error),)))
                 self._finish(op)
                 continue
             self._opening = (request, op)
             self._spin_until = time.monotonic() + OPENING_SPIN
-            events.append((op.turn.set, (None,)))
+            if op.turn is None:  # (`_turn`, inline: in its call's `start`, most often)
+                op.turn = TAKEN
+            else:
+                events.append((op.turn.set, (None,)))
 
-    def _test(self, events: list[tuple[Post, tuple[Any, ...]]]) -> bool:
+    def _test(self, events: list[tuple[Post, tuple[Any, ...]]],
+              tested: bool | Exception | None = None) -> bool:
+        """Test what is in flight (with the lock); `tested`: what a test of the
+        opening in flight (if any) returned or raised just now (`poll`)."""
         came = False
         if self._moving:
             still = []
             for request, op in self._moving:
+                assert op.moved is not None
                 try:
                     done = request.Test()
                 except Exception as error:
@@ -297,7 +345,9 @@ class Lane:
         if self._opening is not None:
             request, op = self._opening
             try:
-                done = request.Test()
+                if isinstance(tested, Exception):
+                    raise tested
+                done = tested or request.Test()
             except Exception as error:
                 self._opening, self.stuck = None, ""
                 events.append((op.opening.set, (str(error),)))
@@ -306,7 +356,8 @@ class Lane:
                 return True
             if done:
                 self._opened(op, events)
-                self._pump(events)
+                if self._queue:
+                    self._pump(events)
                 came = True
         return came
 
@@ -320,18 +371,24 @@ class Lane:
         gone = self._gone() if agreed and op.transfer is not None else None
         if gone is not None:
             moving = True
+            op.moved = Matched(RECEIVE_TIMEOUT)
             events.append((op.moved.set, (self._cannot(gone),)))
             self._finish(op)
         elif agreed and op.transfer is not None:
             moving = True
+            op.moved = moved = Matched(RECEIVE_TIMEOUT)
             try:
                 self._moving.append((op.transfer(), op))
             except Exception as error:  # (a peer died)
-                events.append((op.moved.set, (str(error),)))
+                events.append((moved.set, (str(error),)))
                 self._finish(op)
         op.transfer = None
-        if not moving:
-            self._finish(op)
+        if not moving:  # (`_finish`, inline: this is every small collective's end)
+            op.finished = True
+            op.block = op.gathered = None
+            order = self._order
+            while order and order[0].finished:
+                order.popleft()
         events.append((op.opening.set, ((gathered, agreed, moving),)))
 
     def _finish(self, op: Op) -> None:
@@ -350,7 +407,7 @@ class Lane:
                 self.stuck = why
                 for queued in self._queue:
                     if queued.block is not None:
-                        events.append((queued.turn.set, (why,)))
+                        self._turn(queued, why, events)
         self._emit(events)
 
 
@@ -446,6 +503,7 @@ class LaneTurn(Collective):
                 moves = transfer(lane.comm, fp, comm.rank, op0, res)
             lane.start(op, block, moves)
         try:
+            assert op.turn is not None  # (made when its call waits for it: see Op)
             why = op.turn.value if op.turn.done else (yield op.turn)
             if isinstance(why, Aborted):  # a peer left the world: it never runs
                 raise CallFailed(RECEIVE_TIMEOUT, str(why), error=why)
@@ -469,6 +527,7 @@ class LaneTurn(Collective):
             return True
         if not moving:
             return False
+        assert op.moved is not None  # (made when MPI moves the data on its own)
         error = op.moved.value if op.moved.done else (yield op.moved)
         if isinstance(error, Aborted):
             raise CallFailed(RECEIVE_TIMEOUT, str(error), error=error)
