@@ -2,8 +2,8 @@
 
 Timings are noise on a shared CI machine; the number of Python calls one small
 allreduce or one nop makes is not (the same on every run, in process). These
-budgets hold today's counts as ceilings, so that no change adds a layer to the
-small-call path unnoticed; lowering them is the work of making that path lean
+budgets hold the counts of the lean path (issue 28) as ceilings, with a call or two
+of slack, so that no change adds a layer to the small-call path unnoticed
 (DESIGN.md's call budget: every layer must earn its calls).
 """
 
@@ -23,17 +23,18 @@ from aaccl import ReduceFunction
 from test_mpi_fabric import MPIEXEC, assert_passed, launch
 
 RANKS = 4
-ALLREDUCE_BUDGET = 142
+ALLREDUCE_BUDGET = 74
 """Python calls per rank for one 1-element float32 allreduce of 4 in-process ranks
-on device-resident buffers, asyncio.gather and the event loop's own included
-(139.75 to 140.08 over runs at 71edb87, loaded machine or not)."""
-NOP_BUDGET = 24
-"""Python calls for one `await accl.nop()` (24 at 71edb87)."""
-MPI_ALLREDUCE_BUDGET = 132
+on device-resident buffers, asyncio.gather and the event loop's own included (about
+27 of them): 71.75 on every run after issue 28's lean path (139.75 to 140.08 at
+71edb87)."""
+NOP_BUDGET = 9
+"""Python calls for one `await accl.nop()` (9 after issue 28; 24 at 71edb87)."""
+MPI_ALLREDUCE_BUDGET = 75
 """Python calls per rank for one 1-element float32 allreduce over MPI (2 processes,
 device-resident buffers), the polls that find nothing not counted: tests/mpi/budget.py
-(131.09 on every run at b7b5122; 163 to 294 before, vain polls counted, which its
-wait then could not help making)."""
+(73.11 on every run after issue 28's lean path; 131.09 with the lean lane alone; 163
+to 294 before, vain polls counted, which its wait then could not help making)."""
 
 
 async def count_calls(step: Callable[[], Awaitable[Any]], times: int) -> float:

@@ -476,64 +476,62 @@ class LaneTurn(Collective):
         self.leave(call, failed.code, failed.detail)
 
     def run(self, call: ScheduleCall) -> Generator[Wait, Any, bool]:
+        """Take our turn in the lane: the opening exchange, then (if the data did not
+        ride in it) MPI's collective moves it. False: MPI cannot, the schedule must."""
         if self.op is None:
             return False
         try:
-            return (yield from self._by_mpi(call))
+            args, dev, comm, fp = call.args, call.dev, call.comm, call.fp
+            op, lane = self.op, self.lane
+            assert comm is not None and op is not None and fp is not None
+            path = call.path if call.path is not None else dev.datapath(args)
+            reach = call.reach()
+            op0 = dev.array(args.addr_0, path.dtype, reach[0]) if reach[0] else None
+            res = dev.array(args.addr_2, path.dtype, reach[2]) if reach[2] else None
+            inline = blocks.fits(fp)
+            if not op.issued:  # (else it took its turn while pending: the schedule runs it)
+                block = np.empty(blocks.BLOCK, np.uint8)
+                mine = blocks.share(fp, comm.rank)
+                blocks.encode(block, fp, op0[:mine] if inline and mine and op0 is not None else None)
+                moves = None
+                if not inline and runs_natively(fp):
+                    moves = transfer(lane.comm, fp, comm.rank, op0, res)
+                lane.start(op, block, moves)
+            try:
+                assert op.turn is not None  # (made when its call waits for it: see Op)
+                why = op.turn.value if op.turn.done else (yield op.turn)
+                if isinstance(why, Aborted):  # a peer left the world: it never runs
+                    raise CallFailed(RECEIVE_TIMEOUT, str(why), error=why)
+                if why:
+                    raise CallFailed(RECEIVE_TIMEOUT, why)
+                opened = op.opening.value if op.opening.done else (yield op.opening)
+                if isinstance(opened, Aborted):
+                    raise CallFailed(RECEIVE_TIMEOUT, str(opened), error=opened)
+            except CallFailed as failed:
+                if not call.failure and call.aborting is None and failed.code == RECEIVE_TIMEOUT:
+                    self.leave(call, failed.code, failed.detail, timed_out=True)
+                raise
+            if isinstance(opened, str):
+                raise CallFailed(ErrorCode.DMA_INTERNAL_ERROR, f"MPI failed: {opened}")
+            gathered, agreed, moving = opened
+            if not agreed:  # fails, or some rank's call was pending: the schedule runs it
+                self._verdict(call, blocks.read(gathered, comm.size))
+                return False
+            if inline:
+                blocks.settle(fp, comm.rank, gathered, op0, res, path.combine)
+                return True
+            if not moving:
+                return False
+            assert op.moved is not None  # (made when MPI moves the data on its own)
+            error = op.moved.value if op.moved.done else (yield op.moved)
+            if isinstance(error, Aborted):
+                raise CallFailed(RECEIVE_TIMEOUT, str(error), error=error)
+            if error:
+                raise CallFailed(ErrorCode.DMA_INTERNAL_ERROR, f"MPI failed: {error}")
+            return True
         except BaseException:
             call.abandon()
             raise
-
-    def _by_mpi(self, call: ScheduleCall) -> Generator[Wait, Any, bool]:
-        """Take our turn in the lane: the opening exchange, then (if the data did not
-        ride in it) MPI's collective moves it. False: MPI cannot, the schedule must."""
-        args, dev, comm, op, lane, fp = call.args, call.dev, call.comm, self.op, self.lane, call.fp
-        assert comm is not None and op is not None and fp is not None
-        path = dev.datapath(args)
-        reach = call.reach()
-        op0, _, res = (dev.array(address, path.dtype, n) if n else None
-                       for address, n in zip((args.addr_0, args.addr_1, args.addr_2), reach))
-        inline = blocks.fits(fp)
-        if not op.issued:  # (else it took its turn while pending: the schedule runs it)
-            block = np.empty(blocks.BLOCK, np.uint8)
-            mine = blocks.share(fp, comm.rank)
-            blocks.encode(block, fp, op0[:mine] if inline and mine and op0 is not None else None)
-            moves = None
-            if not inline and runs_natively(fp):
-                moves = transfer(lane.comm, fp, comm.rank, op0, res)
-            lane.start(op, block, moves)
-        try:
-            assert op.turn is not None  # (made when its call waits for it: see Op)
-            why = op.turn.value if op.turn.done else (yield op.turn)
-            if isinstance(why, Aborted):  # a peer left the world: it never runs
-                raise CallFailed(RECEIVE_TIMEOUT, str(why), error=why)
-            if why:
-                raise CallFailed(RECEIVE_TIMEOUT, why)
-            opened = op.opening.value if op.opening.done else (yield op.opening)
-            if isinstance(opened, Aborted):
-                raise CallFailed(RECEIVE_TIMEOUT, str(opened), error=opened)
-        except CallFailed as failed:
-            if not call.failure and call.aborting is None and failed.code == RECEIVE_TIMEOUT:
-                self.leave(call, failed.code, failed.detail, timed_out=True)
-            raise
-        if isinstance(opened, str):
-            raise CallFailed(ErrorCode.DMA_INTERNAL_ERROR, f"MPI failed: {opened}")
-        gathered, agreed, moving = opened
-        if not agreed:  # fails, or some rank's call was pending: the schedule runs it
-            self._verdict(call, blocks.read(gathered, comm.size))
-            return False
-        if inline:
-            blocks.settle(fp, comm.rank, gathered, op0, res, path.combine)
-            return True
-        if not moving:
-            return False
-        assert op.moved is not None  # (made when MPI moves the data on its own)
-        error = op.moved.value if op.moved.done else (yield op.moved)
-        if isinstance(error, Aborted):
-            raise CallFailed(RECEIVE_TIMEOUT, str(error), error=error)
-        if error:
-            raise CallFailed(ErrorCode.DMA_INTERNAL_ERROR, f"MPI failed: {error}")
-        return True
 
     @staticmethod
     def _verdict(call: CollectiveCall, exchanged: list[blocks.Block]) -> None:
