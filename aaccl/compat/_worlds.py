@@ -114,7 +114,7 @@ def _never_complete(world: _Forming, why: str) -> list[Notice]:
 
 def _tell(notices: list[Notice]) -> None:
     for device, missing, reason in notices:  # as if the missing rank had left its world
-        device.engine.post(device._peer_left, missing, reason)
+        device.peer_left(missing, reason)
 
 
 # -- one world across the processes of an MPI job -----------------------------------------

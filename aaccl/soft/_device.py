@@ -351,6 +351,11 @@ class SoftDevice(Device):
                 notice.notice = (int(ErrorCode.DMA_MISMATCH_ERROR), why)
                 self.port.post(peer, notice, 0)
 
+    def peer_left(self, session: int, reason: str) -> None:
+        """Treat peer `session` as gone from the world, for `reason` (any thread): as
+        if it had said so itself (aaccl.compat, when a peer's process never came)."""
+        self.engine.post(self._peer_left, session, reason)
+
     def _peer_left(self, session: int, reason: str, lane_done: int = 0) -> None:
         """A peer left (engine context): calls here that wait for it end now, and
         later ones as soon as they would wait for it (SoftCall.resume). What it sent
