@@ -13,23 +13,13 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+
+from ..devices._base import Poller
 
 Register = Callable[[Callable[[], None]], bool]
 """Registers `wake`; returns False (and never calls it) if the event already happened."""
 Forget = Callable[[Callable[[], None]], None]
 """Unregisters `wake`: its task stopped waiting (cancelled)."""
-
-class Poller(Protocol):
-    """A device whose progress a waiting task can make itself (the MPI fabric)."""
-
-    def poll(self) -> object:
-        """Make progress once, on the calling thread."""
-
-    def park(self) -> None:
-        """A task stopped polling before its call finished: the device's own thread
-        takes over."""
-
 
 SPIN_FOR = 50e-6
 """Seconds a task spins on its poller (polls with no turn of the event loop between
