@@ -59,7 +59,7 @@ TARGET_SIZE_MIB = 64
 TARGETS = {
     "allreduce_large_vs_mpi": "MPICH time / aaccl time >= 2.5",
     "allreduce_large_vs_numpy": "aaccl time / numpy time <= 1.5",
-    "nop_round_trip": "median <= 10 us",
+    "nop_round_trip": "median <= 3 us",
     "allreduce_small_vs_mpi": "aaccl time / MPICH time <= 1.0",
     "allreduce_scaling_4B": "4 B allreduce over N in-process ranks: for every N above 4, "
                             "t(N)/t(4) <= (N log2 N)/(4 log2 4)",
@@ -264,7 +264,7 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
                  "ratio": ratio, "limit": "<= 1.5x",
                  "pass": None if ratio is None else ratio <= 1.5})
     rows.append({"target": "nop_round_trip", "ratio_name": "", "ratio": None,
-                 "limit": "<= 10 us", "pass": None if nop is None else nop <= 10e-6})
+                 "limit": "<= 3 us", "pass": None if nop is None else nop <= 3e-6})
     ratio = a_small / m_small if mpi_ok and a_small and m_small else None
     rows.append({"target": "allreduce_small_vs_mpi", "ratio_name": "aaccl/MPICH",
                  "ratio": ratio, "limit": "<= 1.0x",
