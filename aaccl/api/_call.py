@@ -92,10 +92,15 @@ class Call:
         self._given_up = False  # an await of it was cancelled before it finished
         self._deps = deps
         self._finish, self._on_done = finish, on_done
-        if device._settled:  # completed already (a nop): its owner is told by nobody else
-            self._completed(device)
-        else:
+        if not device._settled:
             device.own(self)  # its one completion
+        elif on_done is None and finish is None and not device.retcode \
+                and not device.aborted and device.error is None:
+            # it ended well on the spot (a nop), with nothing to sync or tell: done,
+            # before any other thread can see this Call
+            self._finished, self._buffers, self._deps = True, (), ()
+        else:  # completed already: its owner is told by nobody else
+            self._completed(device)
 
     @property
     def name(self) -> str:
