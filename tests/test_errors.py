@@ -284,6 +284,35 @@ async def test_collective_without_peer_times_out(collective: str, count: int) ->
 
 
 @pytest.mark.anyio
+async def test_a_meeting_that_times_out_names_the_missing_rank_on_every_rank() -> None:
+    """In process, a small allreduce meets in shared memory under one deadline: every
+    waiting rank fails at it, each naming the rank that never came (not the others
+    that gave up at the same deadline), and the next allreduce of all ranks is right."""
+    async with aaccl.open_world(4, timeout=TIMEOUT) as accls:
+        bufs = [(a.allocate(1), a.allocate(1)) for a in accls]
+        start = time.monotonic()
+        waiting = [a.allreduce(s, d, 1, ReduceFunction.SUM) for a, (s, d) in
+                   zip(accls[1:], bufs[1:])]
+        for c in waiting:
+            with pytest.raises(CCLOError, match=r"waited .* for rank 0;") as failed:
+                await c
+            assert failed.value.code & ErrorCode.RECEIVE_TIMEOUT_ERROR
+        assert TIMEOUT * 0.9 <= time.monotonic() - start < TIMEOUT + 5
+        with pytest.raises(ACCLError):  # it comes late: its peers gave up on it
+            await accls[0].allreduce(*bufs[0], 1, ReduceFunction.SUM)
+        for a, (s, _) in zip(accls, bufs):
+            s[:] = a.rank + 1
+        await anyio_all([a.allreduce(s, d, 1, ReduceFunction.SUM) for a, (s, d) in
+                         zip(accls, bufs)])
+        assert [float(d[0]) for _, d in bufs] == [10.0] * 4
+
+
+async def anyio_all(calls: list[aaccl.Call]) -> None:
+    for c in calls:
+        await c
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("count", [4, 3000])  # eager, rendezvous
 async def test_root_alone_in_a_collective(count: int) -> None:
     """The root of a bcast whose peers never join: eager sends complete, rendezvous

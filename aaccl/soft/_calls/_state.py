@@ -332,12 +332,14 @@ class SoftCall(DeviceCall):
             self.timer = None
         self.dev.engine.soon(self.resume, wait.value)
 
-    def expire(self) -> None:
-        """The deadline of the current wait passed."""
+    def expire(self, detail: str | None = None) -> None:
+        """The deadline of the current wait passed. `detail`: what it waited for, in
+        words, if the caller said so before expiring others' waits changed it."""
         wait, self.timer = self.waiting, None
         if wait is None:
             return
-        detail = self._timeout_detail(wait)  # before expiring changes what it waits for
+        if detail is None:  # (before expiring changes what it waits for)
+            detail = self.timeout_detail(wait)
         if wait.expire():
             wait.waiter, self.waiting = None, None
             self.resume(None, CallFailed(wait.timeout_code, detail))
@@ -346,9 +348,10 @@ class SoftCall(DeviceCall):
     def withdrawn(self, wait: Wait) -> CallFailed:
         """A send's deadline passed and, over MPI, its receiver has since agreed to drop
         the message (`MPIFabric._withdraw`): the call fails as at the deadline."""
-        return CallFailed(wait.timeout_code, self._timeout_detail(wait))
+        return CallFailed(wait.timeout_code, self.timeout_detail(wait))
 
-    def _timeout_detail(self, wait: Wait) -> str:
+    def timeout_detail(self, wait: Wait) -> str:
+        """What the call waited for when its deadline passed, in words."""
         if isinstance(wait, StreamRead):
             return f"waited {self.dev.timeout:g} s for {wait.describe()}"
         detail = f"waited {self.dev.timeout:g} s for {self.waiting_for(wait)}"

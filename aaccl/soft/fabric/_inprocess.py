@@ -138,8 +138,11 @@ class Meeting:
     def _expire(self) -> None:
         """The deadline: the calls waiting here fail (engine context)."""
         self.timer = None
-        for call in list(self.waiting.values()):
-            call.expire()
+        # every call's words first: each expiry takes its rank out of the meeting
+        expiring = [(call, call.timeout_detail(call.waiting))  # type: ignore[arg-type]
+                    for call in self.waiting.values()]
+        for call, detail in expiring:
+            call.expire(detail)
 
     def leave(self, rank: int, arrived: bool) -> None:
         """A rank gave up (its call failed, or never ran): the others cannot finish."""
