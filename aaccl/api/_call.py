@@ -147,10 +147,10 @@ class Call:
             self._on_done = None
             on_done(self)
         for wake in wakers:
-            if type(wake) is _Future:
+            if isinstance(wake, _Future):  # (any loop's future: uvloop's too)
                 _wake(wake)
             else:
-                wake()  # type: ignore[operator]  # (a function; mypy cannot narrow `type() is`)
+                wake()
 
     def done(self) -> bool:
         """True once the call has finished, successfully or not."""
