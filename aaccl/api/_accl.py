@@ -27,6 +27,7 @@ from ._kernel import Kernel, attach_stream, on_card
 Calls = Iterable[Call]
 OP0_STREAM, RES_STREAM = int(StreamFlags.OP0_STREAM), int(StreamFlags.RES_STREAM)
 _COUNT_END = 2**32  # counts below it fit the CCLO's 32-bit register
+_NO_REDUCTION = object()  # `_all`'s func for the collectives that reduce nothing
 BOTH_STREAMS = OP0_STREAM | RES_STREAM
 
 
@@ -306,8 +307,7 @@ class ACCL:
 
     def _comm_size(self, comm_id: Any) -> int:
         comms = self._driver.communicators
-        if type(comm_id) is not int and (isinstance(comm_id, bool)
-                                         or not isinstance(comm_id, int)) \
+        if isinstance(comm_id, bool) or not isinstance(comm_id, int) \
                 or not 0 <= comm_id < len(comms):
             raise ValueError(f"unknown comm_id {comm_id!r}: this rank has communicators "
                              f"0..{len(comms) - 1}")
@@ -711,28 +711,30 @@ class ACCL:
              chunked_in: bool, chunked_out: bool, func: Any, comm_id: int, from_fpga: bool,
              to_fpga: bool, compress_dtype: Any, waitfor: Calls) -> Call:
         """Collectives where every rank both sends and receives; a chunked buffer holds
-        `count` elements per rank."""
+        `count` elements per rank; `func` is _NO_REDUCTION for those that reduce nothing."""
+        if type(from_fpga) is not bool or type(to_fpga) is not bool:
+            check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
+        function = 0 if func is _NO_REDUCTION else int(
+            func if type(func) is ReduceFunction else check.function(func))
         comms = self._driver.communicators
         size = len(comms[comm_id][1].ranks) if type(comm_id) is int \
             and 0 <= comm_id < len(comms) else self._comm_size(comm_id)
         inputs, outputs = (size if chunked_in else 1), (size if chunked_out else 1)
         n = count if type(count) is int and 0 <= count < _COUNT_END else check.count(count)
-        function = 0 if func is None else int(func if type(func) is ReduceFunction
-                                               else check.function(func))
         s = check.buffer(sbuf, "sbuf", self, n * inputs)
         d = check.buffer(rbuf, "rbuf", self, n * outputs)
         dtype = s.dtype
         if d.dtype != dtype:
             check.same_dtype(sbuf=s, rbuf=d)
         wire = None if compress_dtype is None else check.compression(dtype, compress_dtype)
-        start, end = s._address, d._address  # (looked up by check.buffer)
-        assert start is not None and end is not None and s._allocation and d._allocation
+        s_at, d_at = s._address, d._address  # (looked up by check.buffer)
+        assert s_at is not None and d_at is not None and s._allocation and d._allocation
         return self._submit(op, scenario, waitfor, count=n, comm_id=comm_id, function=function,
                             dtype=dtype, compress_dtype=wire, buffers=(s, d, d),
-                            reads=((s._allocation.address, start,
-                                    start + n * inputs * s.itemsize),) if n else (),
-                            writes=((d._allocation.address, end,
-                                     end + n * outputs * d.itemsize),) if n else (),
+                            reads=((s._allocation.address, s_at,
+                                    s_at + n * inputs * s.itemsize),) if n else (),
+                            writes=((d._allocation.address, d_at,
+                                     d_at + n * outputs * d.itemsize),) if n else (),
                             sync_in=() if from_fpga else (_head(s, n * inputs),),
                             sync_out=None if to_fpga else _head(d, n * outputs))
 
@@ -741,20 +743,15 @@ class ACCL:
                   from_fpga: bool = False, to_fpga: bool = False, compress_dtype: Any = None,
                   *, waitfor: Calls = ()) -> Call:
         """Every rank's rbuf receives every rank's sbuf[:count], in rank order."""
-        if type(from_fpga) is not bool or type(to_fpga) is not bool:
-            check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
-        return self._all("allgather", Scenario.ALLGATHER, sbuf, rbuf, count, False, True, None,
-                         comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
+        return self._all("allgather", Scenario.ALLGATHER, sbuf, rbuf, count, False, True,
+                         _NO_REDUCTION, comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 
     @_collective
     def allreduce(self, sbuf: Buffer, rbuf: Buffer, count: int, func: ReduceFunction,
                   comm_id: int = GLOBAL_COMM, from_fpga: bool = False, to_fpga: bool = False,
                   compress_dtype: Any = None, *, waitfor: Calls = ()) -> Call:
         """Every rank's rbuf receives func over every rank's sbuf[:count]."""
-        if type(from_fpga) is not bool or type(to_fpga) is not bool:
-            check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
-        return self._all("allreduce", Scenario.ALLREDUCE, sbuf, rbuf, count, False, False,
-                         func if type(func) is ReduceFunction else check.function(func),
+        return self._all("allreduce", Scenario.ALLREDUCE, sbuf, rbuf, count, False, False, func,
                          comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 
     @_collective
@@ -764,21 +761,16 @@ class ACCL:
                        *, waitfor: Calls = ()) -> Call:
         """Rank i's rbuf receives chunk i (of `count` elements) of func over every
         rank's sbuf[:count * size]."""
-        if type(from_fpga) is not bool or type(to_fpga) is not bool:
-            check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
         return self._all("reduce_scatter", Scenario.REDUCE_SCATTER, sbuf, rbuf, count, True, False,
-                         func if type(func) is ReduceFunction else check.function(func),
-                         comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
+                         func, comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 
     @_collective
     def alltoall(self, sbuf: Buffer, rbuf: Buffer, count: int, comm_id: int = GLOBAL_COMM,
                  from_fpga: bool = False, to_fpga: bool = False, compress_dtype: Any = None,
                  *, waitfor: Calls = ()) -> Call:
         """Chunk j of rank i's sbuf lands as chunk i of rank j's rbuf."""
-        if type(from_fpga) is not bool or type(to_fpga) is not bool:
-            check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
-        return self._all("alltoall", Scenario.ALLTOALL, sbuf, rbuf, count, True, True, None,
-                         comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
+        return self._all("alltoall", Scenario.ALLTOALL, sbuf, rbuf, count, True, True,
+                         _NO_REDUCTION, comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 
     @_collective
     def barrier(self, comm_id: int = GLOBAL_COMM, *, waitfor: Calls = ()) -> Call:

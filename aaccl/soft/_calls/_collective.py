@@ -38,45 +38,42 @@ class CollectiveCall(SoftCall):
         args, dev = self.args, self.dev
         self.quiet = False  # its failure came from a peer, which has told the others
         known = dev.decoded.get(args[:9])  # decoded before: a loop of the same collective
+        if known is None:
+            self.comm = self.prefix = self.fp = self.path = self.way = None
+            self.seq = 0
+            if args.scenario not in COLLECTIVES:  # copy, combine
+                if args.stream_flags:
+                    self.use_streams(1, True)
+                check_compression(args)
+                return
+        self.comm = comm = dev.comm(args.comm) if known is None else known[0]
+        self.seq = seq = dev.inbox.admit(comm.key)
+        self.prefix = ("coll", comm.key, seq)
+        self.way = way = dev.port.collective(self)
         if known is not None:
-            self.comm, self.path, self.fp = comm, _, _ = known
-            self.seq = seq = dev.inbox.admit(comm.key)
-            self.prefix = ("coll", comm.key, seq)
-            self.way = way = dev.port.collective(self)
+            _, self.path, self.fp = known
             self._join(way)
             return
-        self.comm = None
-        self.prefix = None
-        self.seq = 0
-        self.fp = None
-        self.path = None
-        self.way = None
-        if args.scenario in COLLECTIVES:
-            self.comm = comm = dev.comm(args.comm)
-            self.seq = dev.inbox.admit(comm.key)
-            self.prefix = ("coll", comm.key, self.seq)
-            self.way = way = dev.port.collective(self)
-            try:
-                if args.scenario in ROOTED and args.root_src_dst >= comm.size:
-                    raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
-                self.path = path = dev.datapath(args)
-            except CallFailed as failed:  # it can never run: it takes its turn at once
-                if way is not None:  # (it counts all the same)
-                    way.reject(self, failed)
-                raise
-            scenario = args.scenario
-            self.fp = (int(scenario), None if scenario == Scenario.BARRIER else args.count,
-                       path.dtype.str, path.wire.str,
-                       args.root_src_dst if scenario in ROOTED else None,
-                       args.function if scenario in REDUCING else None, comm.size)
-            self._join(way)
+        try:
+            if args.scenario in ROOTED and args.root_src_dst >= comm.size:
+                raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
+            self.path = path = dev.datapath(args)
+        except CallFailed as failed:  # it can never run: it takes its turn at once
+            if way is not None:  # (it counts all the same)
+                way.reject(self, failed)
+            raise
+        scenario = args.scenario
+        self.fp = (int(scenario), None if scenario == Scenario.BARRIER else args.count,
+                   path.dtype.str, path.wire.str,
+                   args.root_src_dst if scenario in ROOTED else None,
+                   args.function if scenario in REDUCING else None, comm.size)
+        self._join(way)
         if args.stream_flags:
-            rank, size = (0, 1) if self.comm is None else (self.comm.rank, self.comm.size)
-            self.use_streams(size, args.root_src_dst == rank or args.scenario not in ROOTED)
+            self.use_streams(comm.size, args.root_src_dst == comm.rank
+                             or args.scenario not in ROOTED)
         check_compression(args)
-        if self.fp is not None and not args.stream_flags:  # the same arguments decode alike
-            assert self.comm is not None and self.path is not None  # (set with the fingerprint)
-            dev.remember(args, (self.comm, self.path, self.fp))
+        if not args.stream_flags:  # the same arguments decode alike
+            dev.remember(args, (comm, path, self.fp))
 
     def start(self) -> None:
         way = self.way

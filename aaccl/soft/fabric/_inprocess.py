@@ -182,32 +182,31 @@ class _Seat(Wait):
 
 class _RollCall(Collective):
     """In process, every rank's call of a collective reports to the fabric's roll
-    call (`InProcessPort.roll_call`), which compares it with the first one's at once."""
+    call (`InProcessFabric.roll`), which compares it with the first one's at once:
+    a mismatch is found even where the two exchange no message, as a gather's roots
+    of different opinion do not. Every rank counts once, its call valid or not, so
+    that the entry ends with the last."""
 
     __slots__ = ("port",)  # (set by InProcessPort: no __init__, one call less per call)
 
     port: InProcessPort
 
     def join(self, call: CollectiveCall) -> tuple[int, str] | None:
+        """The mismatch with the first rank that joined, if their calls differ."""
         assert call.comm is not None and call.fp is not None
-        roll, key, size = self.port.fabric.roll, call.prefix, call.comm.size
-        entry = roll.get(key)  # (InProcessPort.roll_call, in line: every collective's path)
-        if entry is None:
-            if size > 1:
-                roll[key] = ((call.dev.session, call.fp), 1)
-            return None
-        first, seen = entry
-        if seen + 1 >= size:
-            del roll[key]
+        roll, key, session, fp = self.port.fabric.roll, call.prefix, call.dev.session, call.fp
+        first, seen = roll.get(key, (None, 0))
+        if seen + 1 >= call.comm.size:
+            roll.pop(key, None)
         else:
-            roll[key] = (first or (call.dev.session, call.fp), seen + 1)
-        if first is None or first[1] == call.fp:
+            roll[key] = (first or (session, fp), seen + 1)
+        if first is None or first[1] == fp:
             return None
-        return mismatch(call.fp, first[1], call.dev.session, first[0])
+        return mismatch(fp, first[1], session, first[0])
 
     def reject(self, call: CollectiveCall, failed: CallFailed) -> None:
         assert call.comm is not None
-        self.port.roll_call(call.prefix, call.comm.size, call.dev.session, None)
+        self.port.absent(call.prefix, call.comm.size)
 
 
 class _Meet(_RollCall):
@@ -260,26 +259,15 @@ class InProcessPort(Port):
         msg.consumed = handover
         return handover
 
-    def roll_call(self, key: Hashable, size: int, session: int,
-                  fp: Fingerprint | None) -> tuple[int, str] | None:
-        """Join collective `key` of `size` ranks: the mismatch with the first rank
-        that joined, if their calls differ (found even where the two exchange no
-        message, as a gather's roots of different opinion do not). `fp` None: our
-        call of it will not run (the host rejected it, or it is invalid); it still
-        counts, so that the entry ends once every rank came."""
+    def absent(self, key: Hashable, size: int) -> None:
+        """This rank's call of collective `key` (of `size` ranks) will not run (the
+        host rejected it, or it is invalid): it counts in the roll all the same."""
         roll = self.fabric.roll
         first, seen = roll.get(key, (None, 0))
-        seen += 1
-        if first is None and fp is not None:
-            first = (session, fp)
-        if seen >= size:
+        if seen + 1 >= size:
             roll.pop(key, None)
         else:
-            roll[key] = (first, seen)
-        if fp is None or first is None:
-            return None
-        other, theirs = first
-        return None if theirs == fp else mismatch(fp, theirs, session, other)
+            roll[key] = (first, seen + 1)
 
     def collective(self, call: CollectiveCall) -> Collective | None:
         """Every collective of more than one rank reports to the roll call; a small
@@ -297,7 +285,7 @@ class InProcessPort(Port):
 
     def skip(self, comm: Comm, prefix: Key, reason: str) -> None:
         if comm.size > 1:  # it counts, so that the roll's entry ends
-            self.roll_call(prefix, comm.size, self.session, None)
+            self.absent(prefix, comm.size)
 
     def register(self, activity: Callable[[], str]) -> None:
         """How others can see what this session's CCLO is doing (for their errors)."""
