@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import enum
 import logging
-import threading
 import time
-from collections.abc import Callable, Generator, Hashable
+from collections.abc import Generator, Hashable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -111,15 +110,7 @@ class SoftCall(DeviceCall):
     args: CallArgs  # (DeviceCall's slot) a soft call is always a CCLO call, never host work
 
     def __init__(self, dev: SoftDevice, args: CallArgs) -> None:
-        # DeviceCall's fields, set here rather than by its __init__ (one call less
-        # per call, on the path every small call takes)
-        self.args = args
-        self._lock = threading.Lock()
-        self._callbacks: list[Callable[[DeviceCall], None]] | None = []
-        self._event = self._owner = None
-        self.retcode = self.started = 0
-        self.aborted = self._settled = False
-        self.error = self.detail = None
+        DeviceCall.__init__(self, args)
         self.dev = dev
         self.state = State.SUBMITTED
         self.failure = 0  # a retcode known early: the call fails when it would run or end
