@@ -26,7 +26,7 @@ RANKS = 4
 ALLREDUCE_BUDGET = 74
 """Python calls per rank for one 1-element float32 allreduce of 4 in-process ranks
 on device-resident buffers, asyncio.gather and the event loop's own included (about
-27 of them): 71.75 on every run after issue 28's lean path (139.75 to 140.08 at
+27 of them): 72.75 on every run after issue 28's lean path (139.75 to 140.08 at
 71edb87)."""
 NOP_BUDGET = 8
 """Python calls for one `await accl.nop()` (8 after issue 28; 24 at 71edb87)."""
