@@ -33,7 +33,7 @@ NOP_BUDGET = 8
 MPI_ALLREDUCE_BUDGET = 75
 """Python calls per rank for one 1-element float32 allreduce over MPI (2 processes,
 device-resident buffers), the polls that find nothing not counted: tests/mpi/budget.py
-(73.11 on every run after issue 28's lean path; 131.09 with the lean lane alone; 163
+(74.11 on every run after issue 28's lean path; 131.09 with the lean lane alone; 163
 to 294 before, vain polls counted, which its wait then could not help making)."""
 
 
