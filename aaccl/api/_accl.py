@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import threading
@@ -23,12 +24,15 @@ from ._buffer import Buffer, allocate
 from ._call import Call
 from ._hazards import Hazards, Span
 from ._kernel import Kernel, attach_stream, on_card
+from ._tasks import Order, asyncio_task, check_race, current_task
 
 Calls = Iterable[Call]
 OP0_STREAM, RES_STREAM = int(StreamFlags.OP0_STREAM), int(StreamFlags.RES_STREAM)
 _COUNT_END = 2**32  # counts below it fit the CCLO's 32-bit register
 _NO_REDUCTION = object()  # `_all`'s func for the collectives that reduce nothing
 BOTH_STREAMS = OP0_STREAM | RES_STREAM
+_SEND, _RECV = Scenario.SEND, Scenario.RECV
+_running_loop = asyncio._get_running_loop  # None outside asyncio (trio, a thread)
 
 
 def _head(buf: Buffer, elements: int) -> Buffer:
@@ -162,6 +166,10 @@ class ACCL:
         self._hazard_deps: dict[Call, tuple[Call, ...]] = {}
         self._syncs_out: dict[Call, Span] = {}  # what they sync to the host once run
         self._ncalls = 0
+        # message orders (communicators of the same members share one), by comm_id and
+        # by members: who issued their last collective (see _tasks)
+        self._orders: dict[int, Order] = {}
+        self._members: dict[tuple[int, ...], Order] = {}
         self._closed = False
         self._departed = False  # told the other ranks it left (`_depart`)
         # progress a waiting task makes itself (the MPI fabric), see _bridge.wait
@@ -348,13 +356,35 @@ class ACCL:
                  0 if b2 is None else b2._address)
         device_call = self._driver.start(scenario, addrs=addrs, waitfor=waits,  # type: ignore[arg-type]
                                          **call)
-        comm_id = call.get("comm_id", GLOBAL_COMM)
-        return self._track(op, "cclo", device_call, deps, submitted,
-                           None if sync_out is None else sync_out.sync_from_device, buffers,
-                           reads=reads, writes=writes, hazards=hazards,
-                           sync_out=() if sync_out is None else _span(sync_out, sync_out.size),
-                           # errors name the communicator where it is not the world
-                           where="" if comm_id == GLOBAL_COMM else f", communicator {comm_id}")
+        comm_id = call.get("comm_id")
+        result = self._track(op, "cclo", device_call, deps, submitted,
+                             None if sync_out is None else sync_out.sync_from_device, buffers,
+                             reads=reads, writes=writes, hazards=hazards,
+                             sync_out=() if sync_out is None else _span(sync_out, sync_out.size),
+                             # errors name the communicator where it is not the world
+                             where="" if not comm_id else f", communicator {comm_id}")
+        if comm_id is not None and scenario is not _SEND and scenario is not _RECV:
+            # a collective: which task issues it, against the last one on its order
+            loop = _running_loop()
+            task = asyncio_task(loop) if loop is not None else current_task()
+            order = self._orders.get(comm_id) or self._message_order(comm_id)
+            last = order.last
+            if last is not None and last[1] is not task and not last[0]._settled:
+                check_race(order, self._rank, result, deps, task)
+            order.last = (device_call, task, result._name)
+        return result
+
+    def _message_order(self, comm_id: int) -> Order:
+        """The message order of communicator `comm_id`, which communicators of the same
+        members (in the same order) share, as on a card (docs/concepts/concurrency.md)."""
+        members = tuple(r.session for r in self._driver.comm(comm_id).ranks)
+        order = self._members.get(members)
+        if order is None:
+            order = self._members[members] = Order(comm_id)
+        else:
+            order.comm_ids.append(comm_id)
+        self._orders[comm_id] = order
+        return order
 
     def _order(self, deps: tuple[Call, ...], waits: list[DeviceCall], reads: tuple[Span, ...],
                writes: tuple[Span, ...], sync_in: Sequence[Buffer] = (),

@@ -75,12 +75,29 @@ class SoftDevice(Device):
         self.engine.attach()
         self.engine.post(self.inbox.stream_to, self._put_arrived)
 
-    def activity(self) -> str:
-        """What this CCLO is doing, for a peer's error message (engine context)."""
+    def activity(self, key: Hashable | None = None) -> str:
+        """What this CCLO is doing, for a peer's error message (engine context). In
+        order, where its call of the peer's collective `key` (a prefix) waits in line
+        behind another call, that call: the one to look at."""
         calls = list(self._calls)
         if not calls:
             last = "" if self.last is None else f" (its last: {self.last.describe()})"
             return "has no call outstanding" + last
+        queue = self._queue
+        if self.in_order and queue:
+            head = queue[0]
+            if key is not None:
+                mine = next((c for c in queue if c.prefix == key), None)
+                if mine is not None and mine is not head:
+                    ahead = queue.index(mine)
+                    others = f" and {ahead - 1} more" if ahead > 1 else ""
+                    return (f"has its call of it, {mine.describe()}, queued behind "
+                            f"{head.describe()}{head.where()}{others} (in_order: a rank "
+                            "runs one call at a time, in the order it issued them, as on a "
+                            "card)")
+            behind = len(queue) - 1
+            return (f"runs {head.describe()}{head.where()}" + (
+                f", {behind} more queued behind it (in_order)" if behind else ""))
         listed = ", ".join(c.describe() for c in calls[:3])
         more = f" and {len(calls) - 3} more" if len(calls) > 3 else ""
         return f"is in {listed}{more}"

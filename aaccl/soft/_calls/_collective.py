@@ -90,6 +90,12 @@ class CollectiveCall(SoftCall):
         fp = self.fp
         return describe_call(self.args) if fp is None else describe(fp)
 
+    def where(self) -> str:
+        comm = self.comm
+        if comm is None:
+            return ""
+        return f" on the communicator of ranks {', '.join(map(str, comm.sessions))}"
+
     def _join(self, way: Collective | None) -> None:
         """Check our call against the peers' calls of this collective (fingerprints
         in their messages), now and as their messages come, and by the fabric's means

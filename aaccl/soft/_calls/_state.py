@@ -236,8 +236,14 @@ class SoftCall(DeviceCall):
                 self.timer = None
             self.resume(None, failed)
 
+    prefix: Hashable | None = None  # (a collective's: its key among them)
+
     def describe(self) -> str:
         return describe_call(self.args)
+
+    def where(self) -> str:
+        """The call's communicator, for a peer's error: " on ranks 1, 0"."""
+        return ""
 
     def waiting_for(self, wait: Wait) -> str:
         """What the call waits for, in words, for a timeout's message."""
@@ -348,9 +354,14 @@ class SoftCall(DeviceCall):
         detail = f"waited {self.dev.timeout:g} s for {self.waiting_for(wait)}"
         peers = self.peers_waited(wait)
         if len(peers) == 1:
-            seen = self.dev.port.activity(peers[0])
+            seen = self.dev.port.activity(peers[0], self.prefix)
             if seen is not None:
                 detail += f"; rank {peers[0]} {seen}"
+        elif self.dev.in_order and self.prefix is not None:
+            for peer in peers[:3]:  # the peers whose call waits in line behind another
+                seen = self.dev.port.activity(peer, self.prefix)
+                if seen is not None and seen.startswith("has its call of it"):
+                    detail += f"; rank {peer} {seen}"
         return detail
 
     def finish(self, retcode: int, detail: str | None = None) -> None:

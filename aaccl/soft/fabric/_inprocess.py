@@ -39,7 +39,7 @@ class InProcessFabric:
         self.engine = Engine(f"inprocess-{size}")
         self.inboxes = [Inbox() for _ in range(size)]
         self.meetings: dict[Hashable, Meeting] = {}
-        self.activities: dict[int, Callable[[], str]] = {}  # session -> what it does now
+        self.activities: dict[int, Callable[[Hashable | None], str]] = {}  # session -> what it does now
         # collectives some ranks have joined: the first one's call, and how many came
         # (every rank counts once, its call valid or not: the entry ends with the last)
         self.roll: dict[Hashable, tuple[tuple[int, Fingerprint] | None, int]] = {}
@@ -287,14 +287,14 @@ class InProcessPort(Port):
         if comm.size > 1:  # it counts, so that the roll's entry ends
             self.absent(prefix, comm.size)
 
-    def register(self, activity: Callable[[], str]) -> None:
+    def register(self, activity: Callable[[Hashable | None], str]) -> None:
         """How others can see what this session's CCLO is doing (for their errors)."""
         self.fabric.activities[self.session] = activity
 
-    def activity(self, session: int) -> str | None:
+    def activity(self, session: int, key: Hashable | None = None) -> str | None:
         """What session's CCLO is doing now, in words (engine context)."""
         describe = self.fabric.activities.get(session)
-        return None if describe is None else describe()
+        return None if describe is None else describe(key)
 
     def meeting(self, key: Hashable, size: int) -> Meeting:
         """The meeting of the collective `key` (gone once each rank came or left)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Hashable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -166,11 +166,13 @@ class Port:
         """The host rejected a collective `prefix` of `comm`: it takes its place
         among the fabric's collectives all the same."""
 
-    def register(self, activity: Callable[[], str]) -> None:
-        """How others can see what this session's CCLO is doing (for their errors)."""
+    def register(self, activity: Callable[[Hashable | None], str]) -> None:
+        """How others can see what this session's CCLO is doing (for their errors):
+        `activity(key)`, where `key` names the collective they wait for in it."""
 
-    def activity(self, session: int) -> str | None:
-        """What `session`'s CCLO is doing now, in words, if this fabric can tell."""
+    def activity(self, session: int, key: Hashable | None = None) -> str | None:
+        """What `session`'s CCLO is doing now, in words, if this fabric can tell; with
+        `key` (a collective's prefix), what became of its call of that collective."""
         return None
 
     def watch(self, busy: Callable[[], bool]) -> None:

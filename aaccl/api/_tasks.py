@@ -1,0 +1,126 @@
+"""Which task issues a collective, and the race of two tasks on one message order.
+
+Collectives are matched between ranks by their place in their communicator's
+message order (the n-th on one rank meets the n-th on every other), and
+communicators with the same members share one order, on a card as in the soft
+CCLO (see docs/concepts/concurrency.md). Two tasks of a rank that issue
+collectives on one order, neither waiting for the other, issue them in an order
+that scheduling decides, and it can differ between ranks: results silently wrong,
+or a deadlock on a card. A rank cannot see the other ranks' orders, so this is a
+warning, not an error, and it sees what one rank can: a collective issued by one task
+while the last one on its order, from another task, is still outstanding and is not
+waited for (`waitfor`). Tasks whose calls happen not to overlap on any rank go
+unseen (a sound rule would need to know which task of one rank is which of another).
+
+The common case costs no Python call: `ACCL._submit` looks the order up and compares
+the issuing task with the last one's, and that call's state; only an outstanding
+call of another task comes here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from ..devices import DeviceCall
+
+if TYPE_CHECKING:
+    from ._call import Call
+
+try:  # the running task of a loop, without a Python call (asyncio.current_task is one)
+    from asyncio.tasks import _current_tasks  # type: ignore[attr-defined]
+    asyncio_task = _current_tasks.get
+except ImportError:  # pragma: no cover  (Pythons that keep it elsewhere)
+    asyncio_task = asyncio.current_task
+
+_PACKAGE = __file__.rsplit("api", 1)[0]  # aaccl/, to point warnings at the user's line
+
+
+def current_task() -> object:
+    """The task issuing a call when no asyncio loop runs in this thread: trio's task,
+    or else the thread itself (aaccl.compat: pyaccl's one thread per rank)."""
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            return trio.lowlevel.current_task()
+        except RuntimeError:  # not in trio's thread
+            pass
+    return threading.current_thread()
+
+
+def task_name(task: object) -> str:
+    if isinstance(task, asyncio.Task):
+        return f"task {task.get_name()!r}"
+    if isinstance(task, threading.Thread):
+        return f"thread {task.name!r}"
+    return f"task {getattr(task, 'name', task)!r}"
+
+
+class Order:
+    """One message order of a rank: the communicators with the same members share it.
+    `last`: the last collective issued on it, as (its device call, the task that
+    issued it, its Call's name); `warned`: the race on it was reported."""
+
+    __slots__ = ("comm_ids", "last", "warned")
+
+    def __init__(self, comm_id: int) -> None:
+        self.comm_ids = [comm_id]
+        self.last: tuple[DeviceCall, object, Any] | None = None
+        self.warned = False
+
+
+def waits_for(call: Call, target: DeviceCall) -> bool:
+    """Whether `call` waits for `target`, through its `waitfor` and theirs."""
+    seen: set[int] = set()
+    todo = list(call._deps)
+    while todo:
+        dep = todo.pop()
+        if dep._device is target:
+            return True
+        if id(dep) not in seen:
+            seen.add(id(dep))
+            todo.extend(dep._deps)
+    return False
+
+
+def check_race(order: Order, rank: int, result: Call, deps: tuple[Call, ...],
+               task: object) -> None:
+    """`result`, a collective `task` issued on `order`, follows a collective another
+    task issued there that is still outstanding: warn (once per order) unless
+    `result` waits for it (`deps`: its `waitfor`)."""
+    assert order.last is not None
+    before, other, before_name = order.last
+    if order.warned:
+        return
+    if any(d._device is before for d in deps) or any(waits_for(d, before) for d in deps):
+        return  # chained: issued after it on every rank
+    order.warned = True
+    name = before_name if type(before_name) is str else (
+        f"{before_name[0]} (rank {before_name[1]}, call {before_name[2]}{before_name[3]})")
+    comms = sorted(order.comm_ids)
+    mine, theirs = task_name(task), task_name(other)
+    if theirs == mine:  # (anyio names tasks by their function)
+        theirs = f"another {theirs}"
+    shared = "" if len(comms) == 1 else (
+        f"; communicators {', '.join(map(str, comms))} have the same members, so they "
+        "share one message order")
+    warn(f"rank {rank}: {result.name} was issued by {mine} while {name}, issued "
+         f"on the same message order by {theirs}, is still outstanding{shared}. "
+         "Collectives meet in the order each rank issues them on their communicator; two "
+         "tasks issuing on one may interleave differently on different ranks, and then "
+         "results are silently wrong (or, on a card, the ranks deadlock). Issue them from "
+         "one task, chain them (waitfor=[...]), or give each task a communicator of "
+         "different members; see docs/concepts/concurrency.md")
+
+
+def warn(message: str) -> None:
+    """A RuntimeWarning pointing at the first frame outside aaccl (the user's call)."""
+    frame = sys._getframe(0)  # (stacklevel 1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    warnings.warn(message, RuntimeWarning, stacklevel=level)
