@@ -59,10 +59,26 @@ def exit_status(exc: SystemExit) -> int:
     return 1
 
 
+FRESH = ("aaccl", "anyio")
+"""Packages the program imports afresh (see `forget_imports`)."""
+
+
+def forget_imports() -> None:
+    """Drop from sys.modules the pure-Python packages that importing this module
+    brought in and that are pytest plugins (aaccl's own, anyio's): the program imports
+    them afresh, as `python` would start it. pytest rewrites the asserts of its
+    plugins' modules as they are imported, and warns (PytestAssertRewriteWarning) for
+    each one already imported. The supervisor's copies stay where they are in use."""
+    for name in list(sys.modules):
+        if name.partition(".")[0] in FRESH:
+            del sys.modules[name]
+
+
 def run(program: list[str]) -> int:
     """Run the program in this process, with sys.path as `python` would start it
     (sys.path[0]: the script's directory, the working directory for -m, "" for -c);
     its exit status."""
+    forget_imports()
     first = {"-m": os.getcwd(), "-c": ""}.get(program[0])
     if first is None:
         first = str(Path(program[0]).resolve().parent)
