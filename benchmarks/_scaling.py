@@ -1,4 +1,4 @@
-"""How cost grows with the work (DESIGN.md, "Performance targets"): allreduce latency
+"""How cost grows with the work (a performance target of aaccl; benchmarks/README.md): allreduce latency
 over N in-process ranks against N log N, MPICH's at the same N where it is
 affordable, and K outstanding send/recv pairs against O(K). bench_inprocess.py runs
 these; this module measures, judges, prints and draws them.
@@ -34,7 +34,7 @@ SWEEP_MPI_RANKS = (2, 4)
 MIN_ITERS = 5
 """Timed iterations every point gets, however long they take."""
 REFERENCE_RANKS = 4
-"""The N that t(N) is compared from: DESIGN.md's other targets are at 4 ranks, and
+"""The N that t(N) is compared from: the other targets are at 4 ranks, and
 from N=2 (2 log2 2 = 2) the N log N limit would be 4x laxer."""
 BINDING_RANKS = 64
 """The verdict binds (--check) once the sweep reaches this N."""

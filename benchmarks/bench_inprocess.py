@@ -1,4 +1,4 @@
-"""In-process performance targets of DESIGN.md, measured side by side in one run.
+"""aaccl's in-process targets (benchmarks/README.md), measured side by side in one run.
 
     python benchmarks/bench_inprocess.py            # full run: 64 MiB, the sweeps, 30 s-1 min
     python benchmarks/bench_inprocess.py --quick    # small sizes, a CI smoke test
@@ -242,7 +242,7 @@ def run_mpi(args: argparse.Namespace, count: int, iters: int, warmup: int,
 
 
 def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per target; (a) binds only at the size DESIGN.md names (64 MiB)."""
+    """One row per target; (a) binds only at the size the target names (64 MiB)."""
     aac, mpi, npy = results["aaccl"], results["mpi"], results["numpy"]
     binding_size = results["config"]["size_mib"] == TARGET_SIZE_MIB
     mpi_ok = "error" not in mpi

@@ -1,4 +1,4 @@
-"""The MPI-fabric target of DESIGN.md: aaccl over MPI against raw mpi4py, in one run.
+"""aaccl's MPI-fabric targets (benchmarks/README.md): aaccl over MPI against mpi4py, in one run.
 
     python benchmarks/bench_mpi.py              # full run: 2 and 4 processes, 4 B and 16 MiB
     python benchmarks/bench_mpi.py --quick      # 4 MiB and fewer iterations, a CI smoke test
@@ -14,7 +14,7 @@ For each process count (`--procs`, default 2 and 4) the script runs itself under
 - raw MPI: mpi4py's `Comm.Allreduce` (SUM) of float32 numpy arrays;
 - aaccl over the MPI fabric (`aaccl.open_world()` under mpiexec: one rank per process),
   `allreduce(..., ReduceFunction.SUM)` on device-resident buffers (from_fpga=True,
-  to_fpga=True), the configuration DESIGN.md's target names;
+  to_fpga=True), the configuration the targets name;
 - for information, the same aaccl allreduce on host buffers (the driver copies the
   input to the device before the call and the result back after it);
 
@@ -474,7 +474,7 @@ def print_table(results: dict[str, Any], rows: list[dict[str, Any]]) -> None:
               "verdicts are for information only")
     print("busbw = algbw x 2(n-1)/n (nccl-tests' allreduce factor); 'busbw vs MPI' = aaccl's "
           "busbw / MPI's = MPI time / aaccl time")
-    print(f"target (DESIGN.md): {TARGET}")
+    print(f"target: {TARGET}")
     print(f"iterations: {cfg['size_mib']:g} MiB {cfg['iters']['large']}, 4 B "
           f"{cfg['iters']['small']} (+{cfg['warmup']} warm-up each); machine: {cfg['cpus']} "
           f"CPUs, Python {cfg['python']}, numpy {cfg['numpy']}")

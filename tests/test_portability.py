@@ -14,6 +14,7 @@ Every collective over sizes 1..4096 and every root (`_compare.sweep`):
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,23 @@ def test_aaccl_compare_against_the_stand_in(tmp_path: Path,
     finally:
         fake.close()
     assert fake.violations == []
+
+
+def test_aaccl_compare_without_an_emulator_says_it_could_not_compare(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Not "1 difference(s)": nothing ran, and the user learns why and what to start."""
+    program = tmp_path / "prog.py"
+    program.write_text(PROGRAM)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    status = cli(["compare", "-n", "2", "--emulator-port", str(port), f"{program}:copies"])
+    out, err = capsys.readouterr()
+    assert status == compare.NOT_COMPARED == 3
+    assert "difference" not in out + err
+    assert "could not compare, ACCL's emulator is not running" in err
+    assert f"cclo_emu -s 2 -r $r -p {port} -c tcp" in err and "docs/emulator.md" in err
+    assert "for r in 0 1;" in err
 
 
 @pytest.mark.parametrize("spec, message", [("nocolon", "module:function"),

@@ -2,7 +2,9 @@
 awaited: forgetting `await` otherwise reads a buffer before the result is in place.
 
 Used means awaited, `wait()`ed, its `exception()` read, or passed in another call's
-`waitfor`; `done()` alone does not count. A failed call is reported by its error
+`waitfor`; `done()` alone does not count. The warning points at the user's line that
+made the call (as a coroutine's would at the line that forgot to await it), so that
+warning filters by module and `-W error` apply to it there. A failed call is reported by its error
 instead, once: logged if nobody retrieved it, silent if a dependent's
 DependencyError reported it. Leaving a world waits for outstanding calls without
 counting as using them; the compat API's blocking calls wait for theirs, so a pyaccl
@@ -14,16 +16,19 @@ from __future__ import annotations
 import gc
 import logging
 import re
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import anyio
+import numpy as np
 import pytest
 
 import aaccl
 from aaccl import CCLOError, DependencyError
+from aaccl import ReduceFunction as F
 
 pytestmark = pytest.mark.anyio
 
@@ -221,3 +226,93 @@ def test_the_compat_blocking_api_does_not_warn() -> None:
             rank.deinit()
         gc.collect()
     assert never_awaited(caught) == []
+
+
+# One line each: a lambda's first line is the line that makes the call.
+MAKERS: dict[str, Callable[..., aaccl.Call]] = {
+    "nop": lambda a, x, y, z: a.nop(),
+    "copy": lambda a, x, y, z: a.copy(x, y, 4),
+    "combine": lambda a, x, y, z: a.combine(4, F.SUM, x, y, z),
+    "send": lambda a, x, y, z: a.send(x, 4, 0, 7),
+    "recv": lambda a, x, y, z: a.recv(y, 4, 0, 8),
+    "bcast": lambda a, x, y, z: a.bcast(x, 4, 0),
+    "scatter": lambda a, x, y, z: a.scatter(x, y, 4, 0),
+    "gather": lambda a, x, y, z: a.gather(x, y, 4, 0),
+    "reduce": lambda a, x, y, z: a.reduce(x, y, 4, 0, F.SUM),
+    "allgather": lambda a, x, y, z: a.allgather(x, y, 4),
+    "allreduce": lambda a, x, y, z: a.allreduce(x, y, 4, F.SUM),
+    "allreduce_keywords": lambda a, x, y, z: a.allreduce(x, y, 4, func=F.SUM, to_fpga=True),
+    "reduce_scatter": lambda a, x, y, z: a.reduce_scatter(x, y, 4, F.SUM),
+    "alltoall": lambda a, x, y, z: a.alltoall(x, y, 4),
+    "barrier": lambda a, x, y, z: a.barrier(),
+    "kernel": lambda a, x, y, z: a.kernel(np.negative)(x, x),
+    "sync_to_device": lambda a, x, y, z: a.sync_to_device(x),
+    "sync_from_device": lambda a, x, y, z: a.sync_from_device(x),
+}
+PARTNERS = {  # what completes a dropped send or recv on a rank of one
+    "send": lambda a, x, y, z: a.recv(z, 4, 0, 7),
+    "recv": lambda a, x, y, z: a.send(x, 4, 0, 8),
+}
+
+
+@pytest.mark.parametrize("method", list(MAKERS))
+async def test_the_warning_points_at_the_line_that_made_the_call(method: str) -> None:
+    """Not at aaccl's own files: at the caller of the public method (or of a kernel),
+    with its module, on either event loop."""
+    with recorded() as caught:
+        async with aaccl.open_world(1, timeout=5) as (accl,):
+            bufs = [accl.allocate(4) for _ in range(3)]
+            call = MAKERS[method](accl, *bufs)
+            name, ref = call.name, weakref.ref(call)
+            if method in PARTNERS:
+                await PARTNERS[method](accl, *bufs)
+            await wait_until(call.done)
+            del call
+        await collected(ref, caught)
+    warned = [w for w in caught if w.category is RuntimeWarning and name in str(w.message)]
+    assert len(warned) == 1
+    assert (warned[0].filename, warned[0].lineno) == \
+        (__file__, MAKERS[method].__code__.co_firstlineno)
+
+
+async def test_filters_by_module_and_error_apply_at_the_users_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`-W error` and `filterwarnings(..., module=...)` act on the warning as on one
+    the user's module issued: ignored, or raised (from __del__: to the unraisable hook)."""
+    raised: list[tuple[type, str]] = []  # not the error: its traceback holds the call
+    monkeypatch.setattr("sys.unraisablehook", lambda unraisable: raised.append(
+        (type(unraisable.exc_value), str(unraisable.exc_value))))
+    async with aaccl.open_world(1, timeout=5) as (accl,):
+        for action in ("ignore", "error"):
+            call = accl.nop()
+            ref = weakref.ref(call)
+            await wait_until(call.done)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                warnings.filterwarnings(action, category=RuntimeWarning,
+                                        module=re.escape(__name__))
+                del call
+                await wait_until(lambda: gc.collect() >= 0 and ref() is None)
+            assert never_awaited(caught) == []
+    assert len(raised) == 1 and raised[0][0] is RuntimeWarning
+    assert "was never awaited" in raised[0][1]
+
+
+def test_a_dropped_run_async_handle_of_the_compat_api_points_at_its_line() -> None:
+    from aaccl.compat import accl
+
+    rank = accl(1, 0, sim_mode=True)
+    try:
+        buf = rank.allocate(16)
+        with recorded() as caught:
+            line = sys._getframe().f_lineno + 1
+            handle = rank.copy(buf, rank.allocate(16), 16, run_async=True)
+            call = handle.call
+            ref = weakref.ref(call)
+            anyio.run(wait_until, call.done)
+            del handle, call
+            anyio.run(collected, ref, caught)
+    finally:
+        rank.deinit()
+    warned = [w for w in caught if "never awaited" in str(w.message)]
+    assert [(w.filename, w.lineno) for w in warned] == [(__file__, line)]

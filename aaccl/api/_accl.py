@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -28,6 +29,10 @@ from ._tasks import Order, asyncio_task, check_race, current_task
 
 Calls = Iterable[Call]
 OP0_STREAM, RES_STREAM = int(StreamFlags.OP0_STREAM), int(StreamFlags.RES_STREAM)
+_getframe = sys._getframe
+_API_LAYER = True
+"""The calls a module with this global makes are its caller's: a never-awaited call
+points past its frames, at the user's line (see `_track`)."""
 _COUNT_END = 2**32  # counts below it fit the CCLO's 32-bit register
 _NO_REDUCTION = object()  # `_all`'s func for the collectives that reduce nothing
 BOTH_STREAMS = OP0_STREAM | RES_STREAM
@@ -334,10 +339,11 @@ class ACCL:
                 sync_in: Sequence[Buffer] = (), sync_out: Buffer | None = None,
                 buffers: tuple[Buffer | None, Buffer | None, Buffer | None] = (None, None, None),
                 reads: tuple[Span, ...] = (), writes: tuple[Span, ...] = (),
-                **call: Any) -> Call:
+                depth: int = 3, **call: Any) -> Call:
         """Sync inputs in, start the call after `waitfor` and after the earlier calls
         its device memory (`reads`, `writes`; `sync_in` lies within `reads`) conflicts
-        with, and track it."""
+        with, and track it. `depth`: the user's frame as seen from `_track` (3 for a
+        public method calling this one)."""
         if self._closed:
             self._check_open()
         deps = () if type(waitfor) is tuple and not waitfor else check.waitfor(waitfor, self)
@@ -362,7 +368,8 @@ class ACCL:
                              reads=reads, writes=writes, hazards=hazards,
                              sync_out=() if sync_out is None else _span(sync_out, sync_out.size),
                              # errors name the communicator where it is not the world
-                             where="" if not comm_id else f", communicator {comm_id}")
+                             where="" if not comm_id else f", communicator {comm_id}",
+                             depth=depth)
         if comm_id is not None and scenario is not _SEND and scenario is not _RECV:
             # a collective: which task issues it, against the last one on its order
             loop = _running_loop()
@@ -434,20 +441,31 @@ class ACCL:
                submitted: int, finish: Callable[[], None] | None = None,
                buffers: tuple[object, ...] = (), *, reads: tuple[Span, ...] = (),
                writes: tuple[Span, ...] = (), hazards: tuple[Call, ...] = (),
-               sync_out: tuple[Span, ...] = (), where: str = "") -> Call:
+               sync_out: tuple[Span, ...] = (), where: str = "", depth: int = 3) -> Call:
         """The Call of a submitted device call, kept (with the memory it uses) until
-        it completes."""
+        it completes. The user's frame is `depth` frames up from this one."""
         self._ncalls += 1
         trace = _trace._active if submitted else None  # submitted is 0 unless tracing
         if trace is not None:
             self._record(trace, op, engine, device_call, submitted)
         name = (op, self._rank, self._ncalls, where)  # formatted if ever read
+        # Where the user made the call, for its never-awaited warning: `depth` frames
+        # up (3: _track <- _submit, _transfer or _run_kernel <- nop, sync_to_device or
+        # Kernel.__call__ <- user; the collectives' wrapper and _all add theirs), past
+        # any further API layer (aaccl.compat's). Its code and instruction offset, not
+        # the frame, which would keep the user's locals alive: the line is looked up if
+        # ever needed.
+        frame = _getframe(depth)
+        while "_API_LAYER" in frame.f_globals:
+            frame = frame.f_back  # type: ignore[assignment]  # the user's is further up
+        origin = (frame.f_code, frame.f_lasti, frame.f_globals)
         if device_call._callbacks is None:  # ended on the spot (a nop, a failure): not tracked
-            result = Call(name, self, device_call, deps + hazards, finish, None, buffers)
+            result = Call(name, self, device_call, deps + hazards, finish, None, buffers, origin)
             if hazards:  # nobody has seen its error yet
                 self._explain(result, hazards)
             return result
-        result = Call(name, self, device_call, deps + hazards, finish, self._forget, buffers)
+        result = Call(name, self, device_call, deps + hazards, finish, self._forget, buffers,
+                      origin)
         with self._lock:
             finished = result._finished
             if not finished:
@@ -659,7 +677,7 @@ class ACCL:
         b = check.buffer(buf, "buf", self, n)
         wire = check.compression(b.dtype, compress_dtype)
         is_root = r == self._comm_rank(comm_id)
-        return self._submit("bcast", Scenario.BCAST, waitfor, count=n, comm_id=comm_id,
+        return self._submit("bcast", Scenario.BCAST, waitfor, depth=4, count=n, comm_id=comm_id,
                             root_src_dst=r, dtype=b.dtype, compress_dtype=wire,
                             buffers=(b, None, b),
                             reads=_spans((b, n)) if is_root else (),
@@ -682,7 +700,7 @@ class ACCL:
         d = check.buffer(rbuf, "rbuf", self, n)
         dtype = check.same_dtype(sbuf=s, rbuf=d)
         wire = check.compression(dtype, compress_dtype)
-        return self._submit("scatter", Scenario.SCATTER, waitfor, count=n, comm_id=comm_id,
+        return self._submit("scatter", Scenario.SCATTER, waitfor, depth=4, count=n, comm_id=comm_id,
                             root_src_dst=r, dtype=dtype, compress_dtype=wire,
                             buffers=(s, None, d),
                             reads=_spans((s, n * size)) if is_root else (),
@@ -704,7 +722,7 @@ class ACCL:
         d = check.buffer(rbuf, "rbuf", self, n * size) if is_root or rbuf is not None else None
         dtype = check.same_dtype(sbuf=s, rbuf=d)
         wire = check.compression(dtype, compress_dtype)
-        return self._submit("gather", Scenario.GATHER, waitfor, count=n, comm_id=comm_id,
+        return self._submit("gather", Scenario.GATHER, waitfor, depth=4, count=n, comm_id=comm_id,
                             root_src_dst=r, dtype=dtype, compress_dtype=wire,
                             buffers=(s, None, d),
                             reads=_spans((s, n)),
@@ -731,7 +749,7 @@ class ACCL:
             if is_root or rbuf is not None else None
         dtype = check.same_dtype(sbuf=s, rbuf=d)
         wire = check.compression(dtype, compress_dtype)
-        return self._submit("reduce", Scenario.REDUCE, waitfor, count=n, comm_id=comm_id,
+        return self._submit("reduce", Scenario.REDUCE, waitfor, depth=4, count=n, comm_id=comm_id,
                             root_src_dst=r, function=int(fn), dtype=dtype, compress_dtype=wire,
                             stream_flags=flags, buffers=(s, None, d),
                             **_in_memory(flags, (s, n), (d, n) if is_root and d is not None
@@ -766,7 +784,8 @@ class ACCL:
                             writes=((d._allocation.address, d_at,
                                      d_at + n * outputs * d.itemsize),) if n else (),
                             sync_in=() if from_fpga else (_head(s, n * inputs),),
-                            sync_out=None if to_fpga else _head(d, n * outputs))
+                            sync_out=None if to_fpga else _head(d, n * outputs),
+                            depth=5)  # _track <- _submit <- _all <- allreduce <- wrapper
 
     @_collective
     def allgather(self, sbuf: Buffer, rbuf: Buffer, count: int, comm_id: int = GLOBAL_COMM,
@@ -806,5 +825,5 @@ class ACCL:
     def barrier(self, comm_id: int = GLOBAL_COMM, *, waitfor: Calls = ()) -> Call:
         """Completes once every rank of the communicator has entered the barrier."""
         self._comm_size(comm_id)
-        return self._submit("barrier", Scenario.BARRIER, waitfor, comm_id=comm_id,
+        return self._submit("barrier", Scenario.BARRIER, waitfor, depth=4, comm_id=comm_id,
                             dtype=np.dtype(np.float32))

@@ -8,6 +8,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Generator
+from types import CodeType
 from typing import Any
 
 from .. import _trace
@@ -21,6 +22,10 @@ log = logging.getLogger("aaccl")
 
 _Future = asyncio.Future
 _running_loop = asyncio._get_running_loop  # None outside asyncio (trio, a thread)
+
+Origin = tuple[CodeType, int, dict[str, Any]]
+"""Where a call was made: the code, instruction offset and globals of the frame that
+called the public method (the frame itself would keep its locals alive)."""
 
 Waker = Callable[[], None] | asyncio.Future[None]
 """What wakes a waiter when a call finishes: a function to call (a thread's event, a
@@ -71,15 +76,16 @@ class Call:
 
     __slots__ = ("_name", "owner", "_device", "_lock", "_wakers", "_finished", "_error",
                  "_retrieved", "_used", "_given_up", "_deps", "_buffers", "_finish", "_on_done",
-                 "__weakref__")
+                 "_origin", "__weakref__")
 
     def __init__(self, name: str | tuple[str, int, int, str], owner: object, device: DeviceCall,
                  deps: tuple[Call, ...], finish: Callable[[], None] | None,
                  on_done: Callable[[Call], None] | None = None,
-                 buffers: tuple[object, ...] = ()) -> None:
+                 buffers: tuple[object, ...] = (), origin: Origin | None = None) -> None:
         # `name` may come as (op, rank, number, where): formatted only when someone reads
         # it (an error, a warning, a trace), not for every call
         self._name = name
+        self._origin = origin  # where the user made it: see __del__
         self.owner = owner
         self._buffers = buffers  # the device uses them until it completes: keep them allocated
         self._device = device
@@ -267,8 +273,26 @@ class Call:
             if not self._retrieved and not isinstance(_root_cause(self._error), Aborted):
                 log.error("%s failed and nobody awaited it: %s", self.name, self._error)
         elif not self._used:
-            # Where it is collected says nothing (often the device's thread): name the
-            # call; `source` lets `python -X tracemalloc=10` show where it was created.
-            warnings.warn(f"Call {self.name} was never awaited: its result may not be in "
-                          "place when you read the buffer; await it, pass it in waitfor=, "
-                          "or call .wait()", RuntimeWarning, stacklevel=1, source=self)
+            # Where it is collected says nothing (often the device's thread): the warning
+            # points at the line that made the call, as a coroutine's would at its await.
+            message = (f"Call {self.name} was never awaited: its result may not be in "
+                       "place when you read the buffer; await it, pass it in waitfor=, "
+                       "or call .wait()")
+            if self._origin is None:
+                warnings.warn(message, RuntimeWarning, stacklevel=1, source=self)
+                return
+            code, offset, module = self._origin
+            # as warnings.warn would from that frame (its filters by module, its registry),
+            # but for the source line, which comes from the file when shown: a loader's
+            # get_source, tried first when given the module's globals, may raise here
+            warnings.warn_explicit(message, RuntimeWarning, code.co_filename,
+                                   _line(code, offset), module.get("__name__", "<unknown>"),
+                                   module.setdefault("__warningregistry__", {}))
+
+
+def _line(code: CodeType, offset: int) -> int:
+    """The line of the instruction at `offset` in `code` (what frame.f_lineno says)."""
+    for start, end, line in code.co_lines():
+        if start <= offset < end and line is not None:
+            return line
+    return code.co_firstlineno

@@ -61,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "it run calls as ACCL's firmware does (in_order=True and the same "
                     "network stack), and on running cclo_emu ranks; compare every rank's "
                     "results bit for bit. Without a program, every collective over sizes "
-                    "1 to 4096 and every root. Exits with 1 if anything differs.")
+                    "1 to 4096 and every root. Exits with 1 if anything differs, 3 if "
+                    "nothing could be compared (no emulator answers).")
     _compare.add_arguments(compare)
     trace = commands.add_parser("trace", help="work with call timelines (aaccl.tracing)")
     trace_commands = trace.add_subparsers(dest="trace_command", required=True)

@@ -22,7 +22,7 @@ import numpy as np
 
 from .._constants import ReduceFunction
 from ..api import ACCL, run
-from ..devices._emulator import DEFAULT_PORT
+from ..devices._emulator import DEFAULT_PORT, available
 from ..driver import STACKS
 
 SIZES = (1, 2, 3, 4, 5, 9, 255, 256, 257, 1024, 1025, 4096)
@@ -40,6 +40,10 @@ RENDEZVOUS_ONLY = ("alltoall", "barrier")  # ACCL's firmware runs these only ove
 SENTINEL = -12345.0  # in output buffers before a call: exact, and no sum of the inputs
 
 Program = Callable[[ACCL], Awaitable[Any]]
+
+SAME, DIFFERENT, USAGE, NOT_COMPARED = 0, 1, 2, 3
+"""Exit statuses: the same results; differences (or a run raised); the command line
+was wrong; nothing was compared (no emulator to compare with)."""
 
 
 # -- the built-in program --------------------------------------------------------------------
@@ -243,7 +247,15 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     f"({len(cases(args.world_size, sizes, rendezvous))} calls per rank)")
     except (ValueError, ImportError) as error:
         print(f"aaccl compare: {error}", file=sys.stderr)
-        return 2
+        return USAGE
+    ready, why = available(args.emulator_port)
+    if not ready:  # not a difference: there is nothing to compare with
+        ranks = " ".join(map(str, range(args.world_size)))
+        print(f"aaccl compare: could not compare, ACCL's emulator is not running: {why}.\n"
+              "Start one cclo_emu per rank (docs/emulator.md), then run this again:\n"
+              f"  for r in {ranks}; do cclo_emu -s {args.world_size} -r $r "
+              f"-p {args.emulator_port} -c {args.stack} -l 0 & done", file=sys.stderr)
+        return NOT_COMPARED
     found = compare(program, args.world_size, emulator_port=args.emulator_port,
                     stack=args.stack, nbufs=args.nbufs, bufsize=args.bufsize,
                     timeout=args.timeout)
@@ -251,10 +263,10 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
           f"(in_order=True) and ACCL's emulator at port {args.emulator_port}")
     if not found:
         print("the same results, bit for bit, on every rank")
-        return 0
+        return SAME
     for line in found[:50]:
         print(f"  {line}")
     if len(found) > 50:
         print(f"  ... and {len(found) - 50} more")
     print(f"{len(found)} difference(s)")
-    return 1
+    return DIFFERENT

@@ -59,6 +59,30 @@ def exit_status(exc: SystemExit) -> int:
     return 1
 
 
+FRESH = ("aaccl", "anyio")
+"""Packages the program imports afresh (see `forget_imports`)."""
+
+
+def forget_imports() -> None:
+    """Drop from sys.modules the pure-Python packages that importing this module
+    brought in and that are pytest plugins (aaccl's own, anyio's), so that the
+    program imports them afresh, as `python` would start it: pytest rewrites the
+    asserts of its plugins' modules as they are imported, and warns
+    (PytestAssertRewriteWarning) for each one already imported. Only where the
+    program would import this very aaccl: a folder named `aaccl` first on its
+    sys.path (a checkout) must not replace the installed one. The supervisor's
+    copies stay where they are in use."""
+    loaded = sys.modules.get("aaccl")
+    found = next((spec for spec in (getattr(finder, "find_spec", lambda *_: None)("aaccl", None)
+                                    for finder in sys.meta_path) if spec is not None), None)
+    if loaded is None or found is None or found.origin is None or loaded.__file__ is None \
+            or not os.path.samefile(found.origin, loaded.__file__):
+        return  # (what the import system would find, sys.modules aside)
+    for name in list(sys.modules):
+        if name.partition(".")[0] in FRESH:
+            del sys.modules[name]
+
+
 def run(program: list[str]) -> int:
     """Run the program in this process, with sys.path as `python` would start it
     (sys.path[0]: the script's directory, the working directory for -m, "" for -c);
@@ -68,6 +92,7 @@ def run(program: list[str]) -> int:
         first = str(Path(program[0]).resolve().parent)
     if not getattr(sys.flags, "safe_path", False):  # python -P adds none
         sys.path.insert(0, first)
+    forget_imports()
     sys.argv = list(program)
     try:
         if program[0] == "-m":

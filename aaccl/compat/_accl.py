@@ -31,6 +31,7 @@ from ._tables import (
     ACCLStreamFlags,
 )
 
+_API_LAYER = True  # a dropped run_async handle's warning points at the user's line
 DEFAULT_TIMEOUT = 10.0
 """Seconds a call may wait for a peer (pyaccl's firmware never timed out at all)."""
 

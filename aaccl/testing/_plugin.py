@@ -53,6 +53,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "(default: soft; emulator: ACCL's emulator, see AACCL_EMULATOR)")
 
 
+LOOP_SCOPE = "asyncio_default_fixture_loop_scope"
+"""pytest-asyncio's setting that warns (PytestDeprecationWarning) on every run
+where it is left unset."""
+
+
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser,
+                                  args: list[str]) -> None:
+    """Give pytest-asyncio's `asyncio_default_fixture_loop_scope` the default it
+    announces ("function") before it reads it: aaccl's test extra installs
+    pytest-asyncio, and every run of a project that never asked for it would
+    otherwise open with its deprecation warning. A project's own setting (ini file,
+    pyproject, -o) still wins: only the default is replaced. Here, after every
+    plugin installed has declared its settings and before any is configured."""
+    if "pytest_asyncio.plugin" in sys.modules:  # (not: the setting means nothing)
+        parser.addini(LOOP_SCOPE, type="string", default="function",
+                      help="default scope of the asyncio event loop used to execute async "
+                           "fixtures (pytest-asyncio; aaccl's plugin makes it 'function')")
+
+
 def _job_size() -> int | None:
     """The number of processes of this process's MPI job, if it has more than one."""
     job = _mpi_rank_and_size()
