@@ -410,9 +410,9 @@ def describe(config: Config, nranks: int, where: str) -> list[str]:
     groups = ", ".join(f"[{' '.join(map(str, b.layers))}] {(b.stop - b.start) * mib:.2f} MiB"
                        for b in buckets(layers, config.bucket_size))
     return [f"data-parallel SGD on {nranks} ranks ({where}), {os.cpu_count()} cores",
-            f"model {'-'.join(map(str, config.widths))}: {nparams:,} parameters, "
-            f"{nparams * mib:.2f} MiB of gradients per step; batch {config.batch} per rank "
-            f"({nranks * config.batch} global), lr {config.lr:g}",
+            (f"model {'-'.join(map(str, config.widths))}: {nparams:,} parameters, "
+             f"{nparams * mib:.2f} MiB of gradients per step; batch {config.batch} per rank "
+             f"({nranks * config.batch} global), lr {config.lr:g}"),
             f"buckets (layers, from the last; cap {config.bucket_size / 2**20:g} MiB): {groups}"]
 
 
@@ -461,12 +461,14 @@ def plot_losses(results: Sequence[RankResult], config: Config, path: str) -> Non
 
 def save_trace(trace: aaccl.Trace, results: Sequence[RankResult], steps: Sequence[int],
                path: str) -> None:
-    """The part of `trace` during `steps` (of these ranks), as its own trace file."""
-    start = min(r.windows[k][0] for r in results for k in steps)
-    end = max(r.windows[k][1] for r in results for k in steps)
+    """The part of `trace` during `steps` (of these ranks) as a trace file of its own:
+    from the first rank's start of the first step to each rank's end of the last."""
+    start = min(r.windows[steps[0]][0] for r in results)
+    ends = {r.rank: r.windows[steps[-1]][1] for r in results}
     part = aaccl.Trace()
     part.origin = start
     for span in trace.spans:
+        end = ends.get(span.rank, start)
         if span.end > start and span.start < end:
             part.add(span.rank, span.engine, span.name, max(span.start, start),
                      min(span.end, end), **span.args)
