@@ -555,9 +555,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(describe(config, len(results), f"{where}, soft CCLO")))
     print("\n".join(report(results, config, modes)))
     if args.trace:
-        print(f"trace of steps {last[0]}-{last[-1]}: {args.trace}"
-              f"{' (one file per process)' if launched else ''}; draw it with "
-              f"aaccl trace plot {path if not launched else args.trace} -o timeline.png")
+        print(f"trace of steps {last[0]}-{last[-1]}: {path}"
+              f"{' (and one per other process)' if launched else ''}; draw it with "
+              f"aaccl trace plot {path} -o timeline.png")
     if args.plot:
         plot_losses(results, config, args.plot)
         print(f"loss curve: {args.plot}")
