@@ -218,7 +218,9 @@ class RankResult:
     params: np.ndarray  # the final weights
     losses: np.ndarray  # this rank's loss at every step (on its shard)
     times: dict[str, list[float]] = field(default_factory=dict)  # seconds per timed step
+    cpu: dict[str, list[float]] = field(default_factory=dict)  # its process's CPU seconds
     windows: list[tuple[int, int]] = field(default_factory=list)  # each step's perf_counter_ns
+    pid: int = field(default_factory=os.getpid)
 
 
 class Trainer:
@@ -319,19 +321,21 @@ async def train(accl: aaccl.ACCL, config: Config, modes: Sequence[str]) -> RankR
     """Train for config.steps steps, the modes taking turns; time every step."""
     trainer = Trainer(accl, config)
     await trainer.upload()
-    result = RankResult(accl.rank, np.empty(0), np.empty(0), {mode: [] for mode in modes})
+    result = RankResult(accl.rank, np.empty(0), np.empty(0), {mode: [] for mode in modes},
+                        {mode: [] for mode in modes})
     seen = dict.fromkeys(modes, 0)
     for step, mode in enumerate(schedule(config.steps, modes)):
-        start = time.perf_counter_ns()
+        start, cpu = time.perf_counter_ns(), time.process_time()
         if mode == OVERLAP:
             await trainer.overlapped_step(step)
         else:
             await trainer.sequential_step(step)
-        end = time.perf_counter_ns()
+        end, cpu = time.perf_counter_ns(), time.process_time() - cpu
         result.windows.append((start, end))
         seen[mode] += 1
         if seen[mode] > config.warmup:
             result.times[mode].append((end - start) / 1e9)
+            result.cpu[mode].append(cpu)
     await trainer.download()
     result.params, result.losses = np.array(trainer.params), np.array(trainer.losses)
     return result
@@ -394,6 +398,14 @@ def step_times(results: Sequence[RankResult], mode: str) -> list[float]:
     return [max(per_rank) for per_rank in zip(*(r.times[mode] for r in results))]
 
 
+def cores_busy(results: Sequence[RankResult], mode: str) -> float:
+    """The median over `mode`'s timed steps of the CPU time all processes spent
+    during the step over its wall time (of each process, its first rank measures)."""
+    first = {r.pid: r for r in sorted(results, key=lambda r: -r.rank)}.values()
+    cpu = [sum(per_process) for per_process in zip(*(r.cpu[mode] for r in first))]
+    return statistics.median(c / t for c, t in zip(cpu, step_times(results, mode)))
+
+
 def summary(times: Sequence[float]) -> tuple[float, float, float, float]:
     """(median, first quartile, third quartile, minimum) of step times, in ms."""
     ms = sorted(t * 1e3 for t in times)
@@ -425,10 +437,12 @@ def report(results: Sequence[RankResult], config: Config, modes: Sequence[str]) 
     if all(timed.values()):
         counts = sorted({len(t) for t in timed.values()})
         lines.append(f"step time after {config.warmup} warm-up steps of each mode, slowest rank, "
-                     f"over {'/'.join(map(str, counts))} steps: median [quartiles] minimum")
+                     f"over {'/'.join(map(str, counts))} steps: median [quartiles] minimum; "
+                     f"cores busy (median)")
         for mode in modes:
             median, q1, q3, low = summary(timed[mode])
-            lines.append(f"  {mode:<10}  {median:7.2f} ms  [{q1:.2f}-{q3:.2f}]  {low:.2f}")
+            lines.append(f"  {mode:<10}  {median:7.2f} ms  [{q1:.2f}-{q3:.2f}]  {low:.2f}  "
+                         f"{cores_busy(results, mode):.1f} cores")
         if len(modes) == 2:
             gain = 1 - summary(timed[OVERLAP])[0] / summary(timed[SEQUENTIAL])[0]
             lines.append(f"  overlap saves {100 * gain:.0f}% of the median step")
