@@ -463,8 +463,8 @@ def plot_losses(results: Sequence[RankResult], config: Config, path: str) -> Non
     ax.plot(mean_loss(results), label=f"{len(results)} ranks, allreduce per bucket", lw=2.5)
     ax.plot(expected, "--", label="one process, whole batch", color="black", lw=1)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (mean squared error / 2)")
-    ax.set_yscale("log")
+    ax.set_ylabel("loss (mean squared error)")
+    ax.set_ylim(bottom=0)
     ax.set_title(f"{'-'.join(map(str, config.widths))} MLP, global batch "
                  f"{len(results) * config.batch}, lr {config.lr:g}")
     ax.legend()
