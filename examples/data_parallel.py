@@ -6,7 +6,7 @@ Usage::
     python examples/data_parallel.py [--ranks N] [--steps K] [--bucket-size 1M] ...
     aaccl launch -n 2 examples/data_parallel.py ...      # one rank per process
 
-Every rank holds the same model (a ReLU MLP, 256-512-512-512-64 by default) and its
+Every rank holds the same model (a ReLU MLP, 32-512-512-512-32 by default) and its
 shard of every global batch of a synthetic regression task (fixed seed). A training
 step is a graph of calls on the rank's device, all on device-resident buffers:
 
@@ -29,7 +29,8 @@ runs the same calls, but awaits the whole backward pass before the allreduces an
 each allreduce before the next. By default both modes take turns, step by step,
 in one run (the same arithmetic, so they train the same model), and the step time
 of each is printed: median, interquartile range and minimum over the timed steps,
-of the slowest rank.
+of the slowest rank, and how many cores the step kept busy (CPU time over wall
+time, of every process).
 
 With ``--check`` (the default), every rank's final weights must be bitwise
 identical, and equal to those of a single-process full-batch numpy run of the same
@@ -48,16 +49,18 @@ On an FPGA the CCLO, not the host, runs the collective. BLAS gets one thread
 from __future__ import annotations
 
 import os
+import sys
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads BLAS
+# One BLAS thread per kernel. This works only before numpy is imported: under `aaccl
+# launch` it has been already (see blas_note), and the environment must say so.
+NUMPY_FIRST = "numpy" in sys.modules and "OPENBLAS_NUM_THREADS" not in os.environ
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -221,6 +224,7 @@ class RankResult:
     cpu: dict[str, list[float]] = field(default_factory=dict)  # its process's CPU seconds
     windows: list[tuple[int, int]] = field(default_factory=list)  # each step's perf_counter_ns
     pid: int = field(default_factory=os.getpid)
+    spans: list[tuple] = field(default_factory=list)  # its calls in the last steps, if traced
 
 
 class Trainer:
@@ -317,8 +321,10 @@ def schedule(steps: int, modes: Sequence[str]) -> list[str]:
     return [modes[k % len(modes)] for k in range(steps)]
 
 
-async def train(accl: aaccl.ACCL, config: Config, modes: Sequence[str]) -> RankResult:
-    """Train for config.steps steps, the modes taking turns; time every step."""
+async def train(accl: aaccl.ACCL, config: Config, modes: Sequence[str],
+                trace: aaccl.Trace | None = None) -> RankResult:
+    """Train for config.steps steps, the modes taking turns; time every step. With a
+    `trace` being recorded, keep this rank's spans of the last steps (one per mode)."""
     trainer = Trainer(accl, config)
     await trainer.upload()
     result = RankResult(accl.rank, np.empty(0), np.empty(0), {mode: [] for mode in modes},
@@ -336,6 +342,10 @@ async def train(accl: aaccl.ACCL, config: Config, modes: Sequence[str]) -> RankR
         if seen[mode] > config.warmup:
             result.times[mode].append((end - start) / 1e9)
             result.cpu[mode].append(cpu)
+    if trace is not None:  # from the step before them: its last calls may still run
+        since = result.windows[max(0, config.steps - len(modes) - 1)][0]
+        result.spans = [(s.engine, s.name, s.start, s.end, s.args) for s in list(trace.spans)
+                        if s.rank == accl.rank and s.end > since]
     await trainer.download()
     result.params, result.losses = np.array(trainer.params), np.array(trainer.losses)
     return result
@@ -406,13 +416,13 @@ def cores_busy(results: Sequence[RankResult], mode: str) -> float:
     return statistics.median(c / t for c, t in zip(cpu, step_times(results, mode)))
 
 
-def summary(times: Sequence[float]) -> tuple[float, float, float, float]:
-    """(median, first quartile, third quartile, minimum) of step times, in ms."""
-    ms = sorted(t * 1e3 for t in times)
-    if len(ms) == 1:
-        return ms[0], ms[0], ms[0], ms[0]
-    q1, _, q3 = statistics.quantiles(ms, n=4, method="inclusive")
-    return statistics.median(ms), q1, q3, ms[0]
+def summary(values: Sequence[float]) -> tuple[float, float, float, float]:
+    """(median, first quartile, third quartile, minimum)."""
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0], ordered[0], ordered[0], ordered[0]
+    q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    return statistics.median(ordered), q1, q3, ordered[0]
 
 
 def describe(config: Config, nranks: int, where: str) -> list[str]:
@@ -433,7 +443,7 @@ def report(results: Sequence[RankResult], config: Config, modes: Sequence[str]) 
     losses = mean_loss(results)
     shown = sorted({0, *range(0, config.steps, max(1, config.steps // 8)), config.steps - 1})
     lines += [f"{k:4d}  {losses[k]:.4f}" for k in shown]
-    timed = {mode: step_times(results, mode) for mode in modes}
+    timed = {mode: [t * 1e3 for t in step_times(results, mode)] for mode in modes}  # ms
     if all(timed.values()):
         counts = sorted({len(t) for t in timed.values()})
         lines.append(f"step time after {config.warmup} warm-up steps of each mode, slowest rank, "
@@ -446,6 +456,12 @@ def report(results: Sequence[RankResult], config: Config, modes: Sequence[str]) 
         if len(modes) == 2:
             gain = 1 - summary(timed[OVERLAP])[0] / summary(timed[SEQUENTIAL])[0]
             lines.append(f"  overlap saves {100 * gain:.0f}% of the median step")
+            # steps 2i and 2i+1 ran back to back: their ratio shrugs off the machine's
+            # slower and faster spells, which hit both alike
+            ratios = [o / s for o, s in zip(timed[OVERLAP], timed[SEQUENTIAL])]
+            median, q1, q3, _ = summary(ratios)
+            lines.append(f"  overlapped / sequential step, pair by pair: median {median:.2f} "
+                         f"[{q1:.2f}-{q3:.2f}]")
     else:
         lines.append(f"(no step timed: --steps must exceed {config.warmup * len(modes)})")
     return lines
@@ -473,20 +489,30 @@ def plot_losses(results: Sequence[RankResult], config: Config, path: str) -> Non
     plt.close(fig)
 
 
-def save_trace(trace: aaccl.Trace, results: Sequence[RankResult], steps: Sequence[int],
-               path: str) -> None:
-    """The part of `trace` during `steps` (of these ranks) as a trace file of its own:
-    from the first rank's start of the first step to each rank's end of the last."""
-    start = min(r.windows[steps[0]][0] for r in results)
-    ends = {r.rank: r.windows[steps[-1]][1] for r in results}
-    part = aaccl.Trace()
-    part.origin = start
-    for span in trace.spans:
-        end = ends.get(span.rank, start)
-        if span.end > start and span.start < end:
-            part.add(span.rank, span.engine, span.name, max(span.start, start),
-                     min(span.end, end), **span.args)
-    part.save(path)
+def save_trace(results: Sequence[RankResult], steps: int, path: str) -> None:
+    """Every rank's calls during the last `steps` steps, as one trace file: from the
+    first rank's start of the first to each rank's end of the last. (Processes on one
+    machine share perf_counter's clock: under `aaccl launch` their ranks line up.)"""
+    start = min(r.windows[-steps][0] for r in results)
+    trace = aaccl.Trace()
+    trace.origin = start
+    for result in results:
+        end = result.windows[-1][1]
+        for engine, name, begin, finish, args in result.spans:
+            if finish > start and begin < end:
+                trace.add(result.rank, engine, name, max(begin, start), min(finish, end),
+                          **args)
+    trace.save(path)
+
+
+def blas_note(nprocs: int) -> str | None:
+    """What to do if numpy was loaded before this script could give BLAS one thread
+    (`aaccl launch` imports numpy before it runs the program)."""
+    if not NUMPY_FIRST:
+        return None
+    return (f"note: numpy was imported before this script, so BLAS runs its default "
+            f"threads in each of the {nprocs} processes, which fight over the cores; "
+            f"run OPENBLAS_NUM_THREADS=1 aaccl launch ... for one thread per kernel")
 
 
 # -- the command line ------------------------------------------------------------------------------
@@ -527,7 +553,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     p.add_argument("--plot", metavar="PNG", help="draw the loss curve (needs matplotlib)")
     p.add_argument("--trace", metavar="JSON",
-                   help="record the last steps' calls (under launch: JSON's stem.RANK.json)")
+                   help="record every rank's calls in the last steps (one of each mode)")
     return p
 
 
@@ -548,30 +574,32 @@ def main(argv: list[str] | None = None) -> int:
     launched = aaccl.mpi_launched()
     mine: list[int] = []  # the ranks this process runs
 
+    trace = None
+
     async def rank(accl: aaccl.ACCL) -> RankResult:
         mine.append(accl.rank)
-        return await train(accl, config, modes)
+        return await train(accl, config, modes, trace)
 
     options = {"backend": args.backend, "world_size": None if launched else args.ranks}
     if args.trace:
         with aaccl.tracing() as trace:
             results = aaccl.run(rank, **options)
-        last = list(range(max(0, config.steps - len(modes)), config.steps))
-        path = Path(args.trace)
-        if launched:
-            path = path.with_name(f"{path.stem}.{mine[0]}{path.suffix}")
-        save_trace(trace, [results[r] for r in mine], last, str(path))
     else:
         results = aaccl.run(rank, **options)
     if 0 not in mine:  # under launch every process has every result: rank 0 reports
         return 0
+    traced = min(len(modes), config.steps)
+    if args.trace:
+        save_trace(results, traced, args.trace)
+    note = blas_note(len({r.pid for r in results}))
+    if note:
+        print(note, file=sys.stderr)
     where = "one per process" if launched else f"in process, {args.backend}"
     print("\n".join(describe(config, len(results), f"{where}, soft CCLO")))
     print("\n".join(report(results, config, modes)))
     if args.trace:
-        print(f"trace of steps {last[0]}-{last[-1]}: {path}"
-              f"{' (and one per other process)' if launched else ''}; draw it with "
-              f"aaccl trace plot {path} -o timeline.png")
+        print(f"trace of the last {traced} steps, every rank: {args.trace}; draw it with "
+              f"aaccl trace plot {args.trace} -o timeline.png")
     if args.plot:
         plot_losses(results, config, args.plot)
         print(f"loss curve: {args.plot}")
