@@ -4,7 +4,7 @@ allreduced while the backward pass goes on, as PyTorch's DistributedDataParallel
 Usage::
 
     python examples/data_parallel.py [--ranks N] [--steps K] [--bucket-size 1M] ...
-    aaccl launch -n 2 examples/data_parallel.py ...      # one rank per process
+    OPENBLAS_NUM_THREADS=1 aaccl launch -n 2 examples/data_parallel.py ...  # a rank per process
 
 Every rank holds the same model (a ReLU MLP, 32-512-512-512-32 by default) and its
 shard of every global batch of a synthetic regression task (fixed seed). A training
@@ -36,14 +36,18 @@ With ``--check`` (the default), every rank's final weights must be bitwise
 identical, and equal to those of a single-process full-batch numpy run of the same
 steps within ``--rtol``. ``--plot FILE.png`` draws the loss curve; ``--trace
 FILE.json`` records a call timeline of the last steps (one of each mode) for
-``aaccl trace plot``.
+``aaccl trace plot`` (of every rank: under ``aaccl launch`` rank 0 gathers them).
 
-What limits the overlap here: on the soft CCLO the allreduce runs on the host's
-cores, like the compute kernels of every rank. With 4 ranks on 2 cores the cores
-are busy either way; what overlap hides is mostly latency (the device waiting for
-peers, for the host to submit, for Python to hand a step from thread to thread).
-On an FPGA the CCLO, not the host, runs the collective. BLAS gets one thread
-(``OPENBLAS_NUM_THREADS=1`` unless set): one core per kernel.
+What limits the overlap here (docs/overlap.md has the numbers): on the soft CCLO
+the allreduce runs on the host's cores, like the compute kernels of every rank. In
+one process the ranks also share one interpreter, whose GIL the Python of every
+call holds: the process keeps about 1.2 of 2 cores busy either way, and overlap
+gains nothing measurable. One rank per process (``aaccl launch``) uses both cores,
+and overlap pays once there are more processes than cores (a collective waits for
+every process to get a core: once per step instead of once per bucket). On an FPGA
+the CCLO, not the host, runs the collective. BLAS gets one thread
+(``OPENBLAS_NUM_THREADS=1`` unless set; under ``aaccl launch`` set it yourself:
+numpy is loaded before this script runs): one core per kernel.
 """
 
 from __future__ import annotations
