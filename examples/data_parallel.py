@@ -602,7 +602,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(describe(config, len(results), f"{where}, soft CCLO")))
     print("\n".join(report(results, config, modes)))
     if args.trace:
-        print(f"trace of the last {traced} steps, every rank: {args.trace}; draw it with "
+        print(f"trace of the last {traced} step{'s' * (traced > 1)}, every rank: {args.trace}; "
+              f"draw it with "
               f"aaccl trace plot {args.trace} -o timeline.png")
     if args.plot:
         plot_losses(results, config, args.plot)
