@@ -221,6 +221,9 @@ def sgd(params: np.ndarray, grads: np.ndarray, scale: float) -> None:
 
 @dataclass
 class RankResult:
+    """What a rank hands back (under launch, to every process): its final weights,
+    losses, step times and, if traced, its calls in the last steps."""
+
     rank: int
     params: np.ndarray  # the final weights
     losses: np.ndarray  # this rank's loss at every step (on its shard)
