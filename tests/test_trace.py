@@ -4,6 +4,7 @@ and the host's waits, exports Chrome/Perfetto JSON, and `aaccl trace plot` draws
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -95,3 +96,41 @@ def test_trace_plot_reports_a_bad_file(tmp_path: Path, capsys: pytest.CaptureFix
     empty.write_text('{"traceEvents": []}')
     assert cli(["trace", "plot", str(empty), "-o", str(tmp_path / "x.png")]) == 1
     assert "no calls" in capsys.readouterr().err
+
+
+def test_a_calls_end_is_stamped_before_its_owner_is_told() -> None:
+    """The trace's end of a device call is when its outcome was set, not when a
+    done-callback ran: those run after the owner (the API's Call) woke its task,
+    which may already have returned from its await."""
+    from aaccl.devices import DeviceCall
+
+    told: list[tuple[int, int]] = []
+
+    class Owner:
+        def _completed(self, dev: DeviceCall) -> None:
+            told.append((dev.ended, time.perf_counter_ns()))
+
+    dev = DeviceCall(None)
+    dev.own(Owner())
+    dev.add_done_callback(lambda d: told.append((d.ended, time.perf_counter_ns())))
+    before = time.perf_counter_ns()
+    dev.complete()
+    assert len(told) == 2 and all(before <= ended <= at for ended, at in told)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_traced_call_ends_before_its_await_returns(backend: str) -> None:
+    returned: list[int] = []
+
+    async def main(accl: aaccl.ACCL) -> None:
+        a = accl.allocate(64, np.float32)
+        touch = accl.kernel(lambda x: None)
+        for _ in range(50):  # completed on a worker thread: the race the stamp avoids
+            await touch(a)
+            returned.append(time.perf_counter_ns())
+
+    with aaccl.tracing() as trace:
+        aaccl.run(main, 1, backend=backend)
+    runs = sorted(s.end for s in trace.spans if s.engine != "host" and s.name != "nop")
+    assert len(runs) == len(returned) == 50
+    assert all(end <= at for end, at in zip(runs, returned))

@@ -488,7 +488,7 @@ class ACCL:
         trace.add(rank, "host", f"submit {op}", submitted, time.perf_counter_ns(), call=number)
 
         def completed(dev: DeviceCall) -> None:
-            end = time.perf_counter_ns()
+            end = dev.ended or time.perf_counter_ns()  # (callbacks run after the owner's wake)
             extra = {} if dev.args is None else {"count": dev.args.count}
             trace.add(rank, engine, op, dev.started or end, end, call=number,
                       submitted_us=(submitted - trace.origin) / 1000,

@@ -47,7 +47,7 @@ class DeviceCall:
     nesting, so no chain is too long for the stack.
     """
 
-    __slots__ = ("args", "_lock", "_callbacks", "_event", "retcode", "aborted", "error",
+    __slots__ = ("args", "_lock", "_callbacks", "_event", "retcode", "aborted", "error", "ended",
                  "started", "detail", "_owner", "_settled")
 
     def __init__(self, args: CallArgs | None) -> None:
@@ -59,6 +59,7 @@ class DeviceCall:
         self.aborted = False  # a dependency failed, so the call never ran
         self.error: Exception | None = None  # the device could not run it, or host work raised
         self.started = 0  # perf_counter_ns when the device began running it (0: not yet)
+        self.ended = 0  # perf_counter_ns when its outcome was set, before anyone was told
         self.detail: str | None = None  # what went wrong, in words, where the device knows
         self._owner: Owner | None = None
         self._settled = False  # its outcome is set (its owner told or being told)
@@ -108,6 +109,7 @@ class DeviceCall:
                 raise RuntimeError("device call completed twice")
             self.retcode, self.aborted, self.error = retcode, aborted, error
             self.detail = detail
+            self.ended = time.perf_counter_ns()  # (a trace's end: not when a callback ran)
             self._settled = True
             owner, self._owner = self._owner, None
         if owner is not None:

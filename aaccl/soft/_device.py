@@ -259,7 +259,7 @@ class SoftDevice(Device):
             # nothing to wait for: done on the spot, and every such nop is alike
             self.exchmem[xm.RETCODE // 4] = 0
             done = self._nop_done
-            done.started = time.perf_counter_ns()
+            done.started = done.ended = time.perf_counter_ns()
             return done
         kind = KINDS.get(args.scenario)
         call = make_call(self, args) if kind is None else kind(self, args)
