@@ -81,11 +81,38 @@ def job_status(launcher: int, reported: Sequence[int], nprocs: int) -> int:
     return max([launcher, *reported])
 
 
+INTERRUPT_GRACE = 5.0  # seconds the ranks get to end on the Ctrl-C hydra passed on
+
+
+def stop(proc: subprocess.Popen[bytes]) -> int:
+    """End the job after Ctrl-C; mpiexec's status. A Ctrl-C at the terminal reached
+    mpiexec too (it is in our process group) and hydra passed it on to the ranks: a
+    second SIGINT would make hydra kill them at once ("press Ctrl-C again to force
+    abort"), so it is sent only if the job is still running after INTERRUPT_GRACE
+    seconds (the signal was ours alone, or a rank ignores it), or on another
+    Ctrl-C."""
+    previous = signal.signal(signal.SIGINT, lambda *_: proc.send_signal(signal.SIGINT))
+    try:
+        try:
+            return proc.wait(timeout=INTERRUPT_GRACE)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+        return proc.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def launch(nprocs: int, program: Sequence[str], hostfile: str | None = None,
            mpiexec: str | None = None, prepend_rank: bool = False) -> int:
     """Run the ranks; return the job's exit status (see `job_status`)."""
+    if hostfile is None and program[0] not in ("-m", "-c") and not os.path.exists(program[0]):
+        # what python says, once (on other machines, each rank would say it)
+        print(f"aaccl launch: can't open file {str(Path(program[0]).absolute())!r}: "
+              "[Errno 2] No such file or directory", file=sys.stderr)
+        return 2
     exe = find_mpiexec(mpiexec)
     cmd = command(exe, nprocs, program, hostfile, is_hydra(exe), prepend_rank)
+    interrupted = False
     with Board(nprocs) as board:
         # With SIGPIPE ignored (as in Python), hydra sees EPIPE when it writes to the
         # proxy of a rank that already exited, instead of dying of the signal.
@@ -93,11 +120,15 @@ def launch(nprocs: int, program: Sequence[str], hostfile: str | None = None,
         try:
             code = proc.wait()
         except KeyboardInterrupt:
-            proc.send_signal(signal.SIGINT)
-            code = proc.wait()
+            interrupted = True
+            code = stop(proc)
         reported = board.statuses()
     launcher = 128 - code if code < 0 else code
     status = job_status(launcher, reported, nprocs)
+    if interrupted:
+        print(f"aaccl launch: interrupted (Ctrl-C); the job's {nprocs} ranks ended "
+              f"(exit status {status})", file=sys.stderr)
+        return status
     if launcher != 0 and len(reported) == nprocs and status == 0:
         print(f"aaccl launch: every rank exited 0; {Path(exe).name} exited {launcher} "
               "on its own (hydra's errors above come from tearing down the job)",

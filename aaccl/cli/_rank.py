@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import importlib.util
 import io
 import os
 import runpy
@@ -44,6 +45,13 @@ from typing import Any
 from ._statuses import PEERS_VARIABLE, Launcher
 
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+# torchrun's names for what each launcher calls its own way: MPICH's (hydra), Open MPI's
+TORCH_VARIABLES = {
+    "RANK": ("PMI_RANK", "OMPI_COMM_WORLD_RANK"),
+    "WORLD_SIZE": ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"),
+    "LOCAL_RANK": ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    "LOCAL_WORLD_SIZE": ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+}
 WHOLE_LINES = "--whole-lines"
 FORWARDED = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2}
@@ -59,16 +67,48 @@ def exit_status(exc: SystemExit) -> int:
     return 1
 
 
+def torch_variables(env: dict[str, str]) -> dict[str, str]:
+    """RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE, as torchrun sets them, from
+    the launcher's own variables in `env` (those it sets)."""
+    found = {}
+    for name, theirs in TORCH_VARIABLES.items():
+        value = next((env[v] for v in theirs if v in env), None)
+        if value is not None:
+            found[name] = value
+    return found
+
+
+def missing(program: list[str]) -> tuple[str, int] | None:
+    """What `python` says, and its exit status, when it cannot start `program` (a
+    script that is not there, a module that does not exist); None if it can."""
+    python = Path(sys.executable).name
+    if program[0] == "-m":
+        try:
+            found = importlib.util.find_spec(program[1]) is not None
+        except (ImportError, ValueError):
+            found = False
+        return None if found else (f"{python}: No module named {program[1]}", 1)
+    if program[0] == "-c" or os.path.exists(program[0]):
+        return None
+    return (f"{python}: can't open file {str(Path(program[0]).absolute())!r}: "
+            "[Errno 2] No such file or directory", 2)
+
+
 def run(program: list[str]) -> int:
     """Run the program in this process, with sys.path as `python` would start it
     (sys.path[0]: the script's directory, the working directory for -m, "" for -c);
-    its exit status."""
+    its exit status. As python, one line for a program that is not there; no
+    traceback for Ctrl-C (`aaccl launch` says it once for every rank)."""
     first = {"-m": os.getcwd(), "-c": ""}.get(program[0])
     if first is None:
         first = str(Path(program[0]).resolve().parent)
     if not getattr(sys.flags, "safe_path", False):  # python -P adds none
         sys.path.insert(0, first)
     sys.argv = list(program)
+    cannot = missing(program)
+    if cannot is not None:
+        print(cannot[0], file=sys.stderr)
+        return cannot[1]
     try:
         if program[0] == "-m":
             sys.argv = program[1:]
@@ -81,7 +121,6 @@ def run(program: list[str]) -> int:
     except SystemExit as exc:
         return exit_status(exc)
     except KeyboardInterrupt:  # Python dies of SIGINT here: a shell says 128 + SIGINT
-        traceback.print_exc()
         return 128 + signal.SIGINT
     except BaseException:
         traceback.print_exc()
@@ -198,6 +237,7 @@ def die_with_parent(parent: int) -> None:
 def main(argv: list[str]) -> None:
     whole_lines = argv[:1] == [WHOLE_LINES]
     program = argv[1:] if whole_lines else argv
+    os.environ.update(torch_variables(dict(os.environ)))
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED | {signal.SIGCHLD})
     supervisor = os.getpid()
     news_r, news_w = os.pipe()  # who else ended: the supervisor tells the program
