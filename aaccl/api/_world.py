@@ -450,6 +450,7 @@ def run(main: Callable[[ACCL], Awaitable[T]], world_size: int | None = None, *,
     rank's. KeyboardInterrupt and SystemExit propagate as themselves.
     """
     errors: dict[int, BaseException] = {}
+    stopped: list[BaseException] = []  # a rank's KeyboardInterrupt or SystemExit
 
     async def world() -> list[T]:
         results: dict[int, Any] = {}
@@ -474,6 +475,16 @@ def run(main: Callable[[ACCL], Awaitable[T]], world_size: int | None = None, *,
                             accl._depart(reason)
                     if not one_of_many:
                         raise
+                except (KeyboardInterrupt, SystemExit) as exc:
+                    # ends the world as an error does: asyncio would let it out of
+                    # the loop at once, leaving the other ranks' tasks behind
+                    stopped.append(exc)
+                    reason = f"rank {accl.rank} raised {type(exc).__name__}"
+                    for each in accls:
+                        each._abort(reason)
+                    if one_of_many:
+                        accl._depart(reason)
+                    raise _Stopped from exc
 
             async with anyio.create_task_group() as tasks:
                 for accl in accls:
@@ -499,7 +510,7 @@ def run(main: Callable[[ACCL], Awaitable[T]], world_size: int | None = None, *,
     try:
         return anyio.run(world, backend=backend)
     except BaseExceptionGroup as group:
-        stop = _stopping(group)
+        stop = stopped[0] if stopped else _stopping(group)
         if stop is not None:
             raise stop from None
         if errors:
@@ -520,7 +531,10 @@ def _failure(errors: dict[int, BaseException], mine: int | None = None) -> BaseE
     vary from run to run, what they failed with does not."""
     own = {r: e for r, e in errors.items() if not isinstance(e, Aborted)} or errors
     if len({same_error(e) for e in own.values()}) > 1:
-        return RankErrors(own)
+        failure: BaseException = RankErrors(own)
+        if mine is not None:
+            setattr(failure, REPORTED_BY, min(own))
+        return failure
     shown = mine if mine in own else min(own)
     error = own[shown]
     if len(own) == 1:
@@ -534,7 +548,20 @@ def _failure(errors: dict[int, BaseException], mine: int | None = None) -> BaseE
     if mine is not None and mine not in errors:
         note += f"; rank {mine}, this process's, returned"
     _add_note(error, note)
+    if mine is not None:
+        setattr(error, REPORTED_BY, min(own))
     return error
+
+
+class _Stopped(Exception):
+    """A rank raised KeyboardInterrupt or SystemExit: `run` raises it once the world
+    has closed."""
+
+
+REPORTED_BY = "_aaccl_reported_by"
+"""Set on the error `run` raises under MPI, where every process raises the same one:
+the rank whose process is to print its traceback (`aaccl launch` prints one, not one
+per rank)."""
 
 
 def _stopping(group: BaseExceptionGroup[BaseException]) -> BaseException | None:

@@ -122,10 +122,20 @@ def run(program: list[str]) -> int:
         return exit_status(exc)
     except KeyboardInterrupt:  # Python dies of SIGINT here: a shell says 128 + SIGINT
         return 128 + signal.SIGINT
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as exc:
+        # an error aaccl.run raised in every process alike: one traceback for the job
+        from ..api._world import REPORTED_BY
+
+        shown_by = getattr(exc, REPORTED_BY, None)
+        if shown_by is None or str(shown_by) == _rank():
+            traceback.print_exc()
         return 1
     return 0
+
+
+def _rank() -> str:
+    """This rank's number, as its launcher says it ("" if none does)."""
+    return next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "")
 
 
 class WholeLines(io.RawIOBase):
@@ -269,7 +279,7 @@ def main(argv: list[str]) -> None:
             pass
 
     proxy = os.getppid()
-    rank = next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "")
+    rank = _rank()
     # connected after the fork: the program must not inherit the connection
     launcher = Launcher.connect(int(rank), proxy, ended) if rank.isdigit() else None
     status = supervise(pid, proxy)
