@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -109,35 +110,40 @@ aaccl.run(main)
 
 @needs_mpi
 def test_ctrl_c_prints_one_short_message(tmp_path: Path) -> None:
-    """SIGINT to the launcher's process group, as a terminal sends Ctrl-C, once every
-    rank said it is running: no traceback per rank, one line from aaccl launch."""
+    """SIGINT to the launcher once every rank said it is running (a terminal's Ctrl-C
+    goes to the launcher's whole group, mpiexec included, and the launcher then
+    leaves mpiexec's own to hydra): no traceback per rank, one line from aaccl
+    launch."""
+    procs = benchmark_module("_procs")
     nprocs = 3
-    (tmp_path / "sleeper.py").write_text(SLEEPER)
-    proc = subprocess.Popen([sys.executable, "-m", "aaccl", "launch", "-n", str(nprocs),
-                             "sleeper.py"], cwd=tmp_path, env=environment(),
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    job = procs.LiveJob([sys.executable, "-m", "aaccl", "launch", "-n", str(nprocs),
+                         str(script)], environment(), cwd=tmp_path)
     try:
-        assert proc.stdout is not None
-        ready = 0
-        while ready < nprocs:
-            line = proc.stdout.readline()
-            assert line, f"the job ended first: {proc.wait()}, {proc.stderr.read()}"  # type: ignore[union-attr]
-            ready += line.startswith("ready")
-        os.killpg(proc.pid, signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while sum(text.startswith("ready") for _, text in job.lines) < nprocs:
+            assert job.proc.poll() is None, job.stderr
+            if time.monotonic() > deadline:
+                # Known, open: now and then (here, 1 run in 2 to 6, with main's launcher
+                # too) hydra's proxy exits early, and the ranks' output never comes
+                pytest.xfail("hydra's proxy ended before passing the ranks' output on")
+            time.sleep(0.01)  # (the marker comes through the reader thread)
+        job.proc.send_signal(signal.SIGINT)
         try:
-            out, err = proc.communicate(timeout=30)
+            job.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            # Known, open: now and then hydra's mpiexec does not act on a SIGINT that
-            # comes this soon after the ranks started (not even on the launcher's
-            # second one), with main's launcher too
+            # the same, open: the proxy exits on the SIGINT without passing it on
             pytest.xfail("mpiexec did not pass the Ctrl-C on (hydra, open issue)")
+        job.join(10)
     finally:
-        if proc.poll() is None:  # the launcher, mpiexec and every rank below them
-            procs = benchmark_module("_procs")
-            procs.kill({proc.pid} | procs.descendants(proc.pid))
-            proc.wait()
-    assert proc.returncode == 128 + signal.SIGINT
+        if job.proc.poll() is None:  # the launcher, mpiexec and every rank (by its script:
+            ranks = subprocess.run(["pgrep", "-f", str(script)],  # init may hold them)
+                                   capture_output=True, text=True).stdout.split()
+            procs.kill({job.proc.pid} | procs.descendants(job.proc.pid) | set(map(int, ranks)))
+            job.proc.wait()
+    out, err = job.stdout, job.stderr
+    assert job.proc.returncode == 128 + signal.SIGINT
     assert "Traceback" not in err + out, err
     assert f"aaccl launch: interrupted (Ctrl-C); the job's {nprocs} ranks ended" in err
-    assert len((out + err).strip().splitlines()) <= 4, out + err  # hydra says 2 lines
+    assert len((out + err).strip().splitlines()) <= nprocs + 4, out + err  # hydra: 2 lines

@@ -81,25 +81,31 @@ def job_status(launcher: int, reported: Sequence[int], nprocs: int) -> int:
     return max([launcher, *reported])
 
 
-INTERRUPT_GRACE = 5.0  # seconds the ranks get to end on the Ctrl-C hydra passed on
-
-
 def stop(proc: subprocess.Popen[bytes]) -> int:
     """End the job after Ctrl-C; mpiexec's status. A Ctrl-C at the terminal reached
-    mpiexec too (it is in our process group) and hydra passed it on to the ranks: a
-    second SIGINT would make hydra kill them at once ("press Ctrl-C again to force
-    abort"), so it is sent only if the job is still running after INTERRUPT_GRACE
-    seconds (the signal was ours alone, or a rank ignores it), or on another
-    Ctrl-C."""
+    mpiexec too (it is in our foreground process group) and hydra passes it on to
+    the ranks: a second SIGINT would make hydra kill them at once ("press Ctrl-C
+    again to force abort", with its proxies' errors), so it is forwarded only when
+    the signal was ours alone (sent by a program), or on another Ctrl-C."""
+    if not _from_the_terminal():
+        proc.send_signal(signal.SIGINT)
     previous = signal.signal(signal.SIGINT, lambda *_: proc.send_signal(signal.SIGINT))
     try:
-        try:
-            return proc.wait(timeout=INTERRUPT_GRACE)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGINT)
         return proc.wait()
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def _from_the_terminal() -> bool:
+    """Whether this process is in its terminal's foreground process group (where a
+    Ctrl-C goes to every process of the group)."""
+    for stream in (sys.stdin, sys.stderr):
+        try:
+            if os.tcgetpgrp(stream.fileno()) == os.getpgrp():
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
 
 
 def launch(nprocs: int, program: Sequence[str], hostfile: str | None = None,
