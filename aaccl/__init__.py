@@ -14,15 +14,16 @@ from ._constants import (
     StreamFlags,
 )
 from ._errors import (Aborted, ACCLError, CCLOError, DependencyError, DeviceError, DeviceStuck,
-                      KernelError)
+                      KernelError, RankErrors)
 from ._trace import Trace, tracing
-from .api import ACCL, Buffer, Call, Kernel, mpi_launched, open_world, run
+from .api import (ACCL, Buffer, Call, Kernel, mpi_launched, open_world, process_count,
+                  process_rank, run)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ACCL", "ACCLError", "Aborted", "Buffer", "CCLOError", "Call", "CompressionFlags", "DependencyError",
     "DeviceError", "DeviceStuck", "ErrorCode", "GLOBAL_COMM", "Kernel", "KernelError",
-    "ReduceFunction", "StreamFlags", "TAG_ANY", "mpi_launched", "open_world", "run", "Trace",
-    "tracing",
+    "RankErrors", "ReduceFunction", "StreamFlags", "TAG_ANY", "mpi_launched", "open_world",
+    "process_count", "process_rank", "run", "Trace", "tracing",
 ]

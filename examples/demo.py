@@ -1,7 +1,7 @@
 """aaccl's demo: four ranks as tasks in one event loop, on the embedded soft CCLO.
 
     python examples/demo.py [--ranks N] [--backend asyncio|trio]
-    mpiexec -n 4 python examples/demo.py         # one rank per process (pip install aaccl[mpi])
+    aaccl launch -n 4 examples/demo.py         # one rank per process (pip install aaccl[mpi])
 
 Each rank runs `main` below. Every operation returns a Call; awaiting it waits for
 the CCLO. Chained calls (`waitfor=[...]`) run as one dependency graph on the device.
@@ -66,11 +66,8 @@ def cli() -> None:
     args = parser.parse_args()
     ranks = args.ranks if args.ranks or aaccl.mpi_launched() else 4
     results = aaccl.run(main, world_size=ranks, backend=args.backend)
-    if aaccl.mpi_launched():
-        from mpi4py import MPI
-
-        if MPI.COMM_WORLD.rank != 0:
-            return  # every process has every rank's results: let one print them
+    if aaccl.process_rank() != 0:
+        return  # under MPI every process has every rank's results: one prints them
     where = "one process per rank (MPI)" if aaccl.mpi_launched() else "in this process"
     print(f"aaccl {aaccl.__version__}: {len(results)} ranks on the soft CCLO, {where} "
           f"({args.backend})")

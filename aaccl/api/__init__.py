@@ -4,6 +4,7 @@ from ._accl import ACCL
 from ._buffer import Buffer
 from ._call import Call
 from ._kernel import Kernel
-from ._world import mpi_launched, open_world, run
+from ._world import mpi_launched, open_world, process_count, process_rank, run
 
-__all__ = ["ACCL", "Buffer", "Call", "Kernel", "mpi_launched", "open_world", "run"]
+__all__ = ["ACCL", "Buffer", "Call", "Kernel", "mpi_launched", "open_world", "process_count",
+           "process_rank", "run"]

@@ -21,10 +21,12 @@ from typing import Any, TypeVar
 import anyio
 
 from .. import _exchmem as xm
-from .._errors import Aborted, ACCLError
+from .._errors import Aborted, ACCLError, RankErrors, RemoteError, same_error
+from .._ranks import ranges
 from ..devices import Device
 from ..devices._emulator import DEFAULT_PORT, EmulatorDevice
 from ..driver import STACKS, Driver, check_buffers
+from ..driver._driver import _add_note
 from ..soft import InProcessFabric, SoftDevice
 from ._accl import ACCL
 
@@ -54,6 +56,30 @@ def _mpi_rank_and_size() -> tuple[int, int] | None:
         if rank in os.environ and size in os.environ:
             return int(os.environ[rank]), int(os.environ[size])
     return None
+
+
+def process_rank() -> int:
+    """This process's rank in its MPI job (under `aaccl launch` or mpiexec, where each
+    process runs one rank, the rank its `ACCL` has); 0 outside one, where this one
+    process runs every rank of its worlds as tasks. To print once per program, not
+    once per process: `if aaccl.process_rank() == 0: print(...)`."""
+    return _process_rank_and_count()[0]
+
+
+def process_count() -> int:
+    """How many processes run this program: the size of its MPI job (under
+    `aaccl launch` or mpiexec); 1 outside one."""
+    return _process_rank_and_count()[1]
+
+
+def _process_rank_and_count() -> tuple[int, int]:
+    job = _mpi_rank_and_size()
+    if job is not None:
+        return job
+    if "PMIX_RANK" in os.environ:  # a PMIx launcher that names no job size: ask MPI
+        world = import_mpi().COMM_WORLD
+        return world.Get_rank(), world.Get_size()
+    return 0, 1
 
 
 def check_options(world_size: Any, device: str, fabric: str, nbufs: Any, bufsize: Any,
@@ -411,14 +437,20 @@ def run(main: Callable[[ACCL], Awaitable[T]], world_size: int | None = None, *,
 
     Outside mpiexec, the ranks are tasks of one event loop in this process. Under
     mpiexec, this process runs its own rank, and every process gets the list of all
-    ranks' results. `backend` is "asyncio" or "trio"; `options` go to `open_world`.
+    ranks' results (`process_rank()` tells which process this is). `backend` is
+    "asyncio" or "trio"; `options` go to `open_world`.
+
     If a rank raises, every outstanding call of every rank is aborted at once
-    (`Aborted`, naming the rank and its error) and the other ranks are cancelled;
-    `run` raises the failing rank's exception. Several ranks failing with different
-    errors raise an ExceptionGroup of their errors, in rank order; the same error on
-    every rank (a bad argument all of them passed) is raised once, as itself.
+    (`Aborted`, naming the rank and its error) and the other ranks are cancelled.
+    `run` then raises one error, the same in every process: the ranks' own errors
+    count, not the `Aborted` they caused elsewhere. If they are all the same error
+    (same type and message but for the rank numbers they name; for `CCLOError`, the
+    same error bits), `run` raises it as itself, the lowest rank's, with a note
+    naming the ranks; if they differ, `RankErrors`, an `ACCLError` holding each
+    rank's. KeyboardInterrupt and SystemExit propagate as themselves.
     """
     errors: dict[int, BaseException] = {}
+    stopped: list[BaseException] = []  # a rank's KeyboardInterrupt or SystemExit
 
     async def world() -> list[T]:
         results: dict[int, Any] = {}
@@ -443,38 +475,133 @@ def run(main: Callable[[ACCL], Awaitable[T]], world_size: int | None = None, *,
                             accl._depart(reason)
                     if not one_of_many:
                         raise
+                except (KeyboardInterrupt, SystemExit) as exc:
+                    # ends the world as an error does: asyncio would let it out of
+                    # the loop at once, leaving the other ranks' tasks behind
+                    stopped.append(exc)
+                    reason = f"rank {accl.rank} raised {type(exc).__name__}"
+                    for each in accls:
+                        each._abort(reason)
+                    if one_of_many:
+                        accl._depart(reason)
+                    raise _Stopped from exc
 
             async with anyio.create_task_group() as tasks:
                 for accl in accls:
                     tasks.start_soon(rank, accl)
             if one_of_many:
                 me = accls[0].rank
-                outcome = (me in errors, f"{type(errors[me]).__name__}: {errors[me]}"
-                           if me in errors else results[me])
+                outcome = (True, _portable(errors[me])) if me in errors else (False, results[me])
                 try:
                     everyone = await _gather_results(outcome, accls[0],
                                                      options.get("timeout", 10.0))
                 except ACCLError:
                     if me in errors:  # its own error says more than the others' absence
-                        raise errors[me] from None
+                        raise errors[me] from errors[me].__cause__
                     raise
-                if me in errors:
-                    raise errors[me]
-                failed = [(r, text) for r, (bad, text) in enumerate(everyone) if bad]
-                failed = [f for f in failed if not f[1].startswith("Aborted:")] or failed
+                failed = {r: errors[me] if r == me else _rebuilt(*value)
+                          for r, (bad, value) in enumerate(everyone) if bad}
                 if failed:
-                    raise ACCLError("; ".join(f"rank {r} failed: {text}" for r, text in failed))
+                    failure = _failure(failed, me)
+                    raise failure from failure.__cause__
                 return [value for _, value in everyone]
         return [results[r] for r in range(len(results))]
 
     try:
         return anyio.run(world, backend=backend)
     except BaseExceptionGroup as group:
+        stop = stopped[0] if stopped else _stopping(group)
+        if stop is not None:
+            raise stop from None
         if errors:
-            raise _first_failure(errors) from None
+            failure = _failure(errors)
+            raise failure from failure.__cause__  # (not the group: the failure's own)
         if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
+            only = group.exceptions[0]
+            raise only from only.__cause__
         raise
+
+
+def _failure(errors: dict[int, BaseException], mine: int | None = None) -> BaseException:
+    """The one error `run` raises for ranks that failed: the ranks' own errors, not
+    the `Aborted` they caused elsewhere (unless every rank was aborted); as itself
+    when they are all the same error (`same_error`), with a note naming the ranks:
+    this process's rank's (`mine`) if it is one of them, else the lowest rank's;
+    else `RankErrors`. Deterministic: which ranks got as far as their own error may
+    vary from run to run, what they failed with does not."""
+    own = {r: e for r, e in errors.items() if not isinstance(e, Aborted)} or errors
+    if len({same_error(e) for e in own.values()}) > 1:
+        failure: BaseException = RankErrors(own)
+        if mine is not None:
+            setattr(failure, REPORTED_BY, min(own))
+        return failure
+    shown = mine if mine in own else min(own)
+    error = own[shown]
+    if len(own) == 1:
+        note = f"aaccl.run: rank {shown} raised this"
+    else:
+        note = (f"aaccl.run: {ranges(own)} raised this error (the same but for rank "
+                f"numbers); this is rank {shown}'s")
+    aborted = sorted(set(errors) - set(own))
+    if aborted:
+        note += f"; {ranges(aborted)} {'was' if len(aborted) == 1 else 'were'} aborted"
+    if mine is not None and mine not in errors:
+        note += f"; rank {mine}, this process's, returned"
+    _add_note(error, note)
+    if mine is not None:
+        setattr(error, REPORTED_BY, min(own))
+    return error
+
+
+class _Stopped(Exception):
+    """A rank raised KeyboardInterrupt or SystemExit: `run` raises it once the world
+    has closed."""
+
+
+REPORTED_BY = "_aaccl_reported_by"
+"""Set on the error `run` raises under MPI, where every process raises the same one:
+the rank whose process is to print its traceback (`aaccl launch` prints one, not one
+per rank)."""
+
+
+def _stopping(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """A KeyboardInterrupt, SystemExit or other BaseException (not a cancellation)
+    among a group's leaves: what must end the program as itself."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            found = _stopping(exc)
+            if found is not None:
+                return found
+        elif not isinstance(exc, (Exception, *_cancelled())):
+            return exc
+    return None
+
+
+def _portable(error: BaseException) -> tuple[str, str, bytes | None]:
+    """A rank's error as it travels to the other processes: its one-line text, what
+    it is the same as, and itself pickled (where it pickles)."""
+    import pickle
+
+    text = f"{type(error).__name__}: {error}"
+    try:
+        pickled: bytes | None = pickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        pickled = None
+    return text, same_error(error), pickled
+
+
+def _rebuilt(text: str, kind: str, pickled: bytes | None) -> BaseException:
+    """Another process's rank's error, from `_portable`."""
+    import pickle
+
+    if pickled is not None:
+        try:
+            error = pickle.loads(pickled)
+            if isinstance(error, BaseException) and same_error(error) == kind:
+                return error  # (a changed message, say, would change what it matches)
+        except Exception:
+            pass
+    return RemoteError(text, kind)
 
 
 def _why(exc: BaseException) -> str:
@@ -498,19 +625,6 @@ def _cancelled() -> tuple[type[BaseException], ...]:
     if trio is not None:
         kinds.append(trio.Cancelled)
     return tuple(kinds)
-
-
-def _first_failure(errors: dict[int, BaseException]) -> BaseException:
-    """What `run` raises when ranks fail: the ranks' own errors, not the `Aborted`
-    they caused elsewhere; one error as itself (also when every rank raised the
-    same one, as when all reject the same argument), several as a group."""
-    own = {r: e for r, e in errors.items() if not isinstance(e, Aborted)} or errors
-    first = own[min(own)]
-    if all(type(e) is type(first) and str(e) == str(first) for e in own.values()):
-        return first
-    ranks = ", ".join(map(str, sorted(own)))  # (an ExceptionGroup if all are Exceptions)
-    return BaseExceptionGroup(f"{len(own)} ranks failed (ranks {ranks})",
-                              [own[r] for r in sorted(own)])
 
 
 async def _gather_results(mine: Any, accl: ACCL, timeout: float) -> list[Any]:

@@ -41,9 +41,14 @@ def is_hydra(mpiexec: str) -> bool:
 # Each rank's supervisor (_rank.py), started without the working directory on
 # sys.path (`python -m` would put it first, and a folder there named `aaccl` would
 # shadow the installed package); _rank.run gives the program the sys.path entry
-# `python` would.
-SHIM = ("import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; "
-        "from aaccl.cli._rank import main; main(sys.argv[1:])")
+# `python` would. It is loaded from the installed aaccl's cli folder as a package of
+# its own (find_spec finds a top-level package without running it), so that neither
+# aaccl nor numpy is imported before the program.
+SHIM = ("import sys, types, importlib.util as u; sys.path[:1] = [p for p in sys.path[:1] if p]; "
+        "cli = types.ModuleType('_aaccl_launch'); "
+        "cli.__path__ = [u.find_spec('aaccl').submodule_search_locations[0] + '/cli']; "
+        "sys.modules[cli.__name__] = cli; "
+        "from _aaccl_launch._rank import main; main(sys.argv[1:])")
 
 
 def command(mpiexec: str, nprocs: int, program: Sequence[str], hostfile: str | None,
@@ -81,11 +86,44 @@ def job_status(launcher: int, reported: Sequence[int], nprocs: int) -> int:
     return max([launcher, *reported])
 
 
+def stop(proc: subprocess.Popen[bytes]) -> int:
+    """End the job after Ctrl-C; mpiexec's status. A Ctrl-C at the terminal reached
+    mpiexec too (it is in our foreground process group) and hydra passes it on to
+    the ranks: a second SIGINT would make hydra kill them at once ("press Ctrl-C
+    again to force abort", with its proxies' errors), so it is forwarded only when
+    the signal was ours alone (sent by a program), or on another Ctrl-C."""
+    if not _from_the_terminal():
+        proc.send_signal(signal.SIGINT)
+    previous = signal.signal(signal.SIGINT, lambda *_: proc.send_signal(signal.SIGINT))
+    try:
+        return proc.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _from_the_terminal() -> bool:
+    """Whether this process is in its terminal's foreground process group (where a
+    Ctrl-C goes to every process of the group)."""
+    for stream in (sys.stdin, sys.stderr):
+        try:
+            if os.tcgetpgrp(stream.fileno()) == os.getpgrp():
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
+
+
 def launch(nprocs: int, program: Sequence[str], hostfile: str | None = None,
            mpiexec: str | None = None, prepend_rank: bool = False) -> int:
     """Run the ranks; return the job's exit status (see `job_status`)."""
+    if hostfile is None and program[0] not in ("-m", "-c") and not os.path.exists(program[0]):
+        # what python says, once (on other machines, each rank would say it)
+        print(f"aaccl launch: can't open file {str(Path(program[0]).absolute())!r}: "
+              "[Errno 2] No such file or directory", file=sys.stderr)
+        return 2
     exe = find_mpiexec(mpiexec)
     cmd = command(exe, nprocs, program, hostfile, is_hydra(exe), prepend_rank)
+    interrupted = False
     with Board(nprocs) as board:
         # With SIGPIPE ignored (as in Python), hydra sees EPIPE when it writes to the
         # proxy of a rank that already exited, instead of dying of the signal.
@@ -93,11 +131,15 @@ def launch(nprocs: int, program: Sequence[str], hostfile: str | None = None,
         try:
             code = proc.wait()
         except KeyboardInterrupt:
-            proc.send_signal(signal.SIGINT)
-            code = proc.wait()
+            interrupted = True
+            code = stop(proc)
         reported = board.statuses()
     launcher = 128 - code if code < 0 else code
     status = job_status(launcher, reported, nprocs)
+    if interrupted:
+        print(f"aaccl launch: interrupted (Ctrl-C); the job's {nprocs} ranks ended "
+              f"(exit status {status})", file=sys.stderr)
+        return status
     if launcher != 0 and len(reported) == nprocs and status == 0:
         print(f"aaccl launch: every rank exited 0; {Path(exe).name} exited {launcher} "
               "on its own (hydra's errors above come from tearing down the job)",

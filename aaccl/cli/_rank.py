@@ -3,9 +3,13 @@ process that runs the program.
 
     python -c "$SHIM" [--whole-lines] script.py args... | -m module args... | -c code args...
 
-($SHIM, in _launch.py, imports this module without the working directory on sys.path,
-so that the ranks import the installed aaccl wherever they start; the program then
-gets the sys.path entry `python` would give it.)
+($SHIM, in _launch.py, loads this module and _statuses.py, which import nothing but
+the standard library, from the installed aaccl's folder without importing the aaccl
+package (nor numpy with it): the program starts as under `python`, free to set
+OPENBLAS_NUM_THREADS before its first numpy import, and pytest rewrites aaccl's plugin
+as it imports it. The working directory is not on sys.path meanwhile, so the ranks
+find the installed aaccl wherever they start; the program then gets the sys.path entry
+`python` would give it.)
 
 Why two processes: MPICH's launcher (hydra) runs the ranks of a machine under one
 proxy, and a proxy SIGKILLs all its ranks as soon as one of them dies of a signal, so
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import importlib.util
 import io
 import os
 import runpy
@@ -44,6 +49,13 @@ from typing import Any
 from ._statuses import PEERS_VARIABLE, Launcher
 
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+# torchrun's names for what each launcher calls its own way: MPICH's (hydra), Open MPI's
+TORCH_VARIABLES = {
+    "RANK": ("PMI_RANK", "OMPI_COMM_WORLD_RANK"),
+    "WORLD_SIZE": ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"),
+    "LOCAL_RANK": ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    "LOCAL_WORLD_SIZE": ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+}
 WHOLE_LINES = "--whole-lines"
 FORWARDED = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2}
@@ -59,41 +71,85 @@ def exit_status(exc: SystemExit) -> int:
     return 1
 
 
-FRESH = ("aaccl", "anyio")
-"""Packages the program imports afresh (see `forget_imports`)."""
+def keep_installed() -> None:
+    """Where a folder named `aaccl` on the program's sys.path (a checkout in the working
+    directory, say) would shadow the installed aaccl that launched it, import the
+    installed one now, so that every rank runs the aaccl its launcher speaks to. Only
+    then: otherwise the program imports aaccl, and numpy with it, itself."""
+    installed = Path(__file__).resolve().parent.parent  # (loaded from its cli folder)
+    try:
+        spec = importlib.util.find_spec("aaccl")
+    except (ImportError, ValueError):
+        spec = None
+    found = None if spec is None or not spec.submodule_search_locations else \
+        Path(spec.submodule_search_locations[0]).resolve()
+    if found is None or found == installed:
+        return
+    first = sys.path.pop(0)
+    try:
+        importlib.import_module("aaccl")
+    finally:
+        sys.path.insert(0, first)
 
 
-def forget_imports() -> None:
-    """Drop from sys.modules the pure-Python packages that importing this module
-    brought in and that are pytest plugins (aaccl's own, anyio's), so that the
-    program imports them afresh, as `python` would start it: pytest rewrites the
-    asserts of its plugins' modules as they are imported, and warns
-    (PytestAssertRewriteWarning) for each one already imported. Only where the
-    program would import this very aaccl: a folder named `aaccl` first on its
-    sys.path (a checkout) must not replace the installed one. The supervisor's
-    copies stay where they are in use."""
-    loaded = sys.modules.get("aaccl")
-    found = next((spec for spec in (getattr(finder, "find_spec", lambda *_: None)("aaccl", None)
-                                    for finder in sys.meta_path) if spec is not None), None)
-    if loaded is None or found is None or found.origin is None or loaded.__file__ is None \
-            or not os.path.samefile(found.origin, loaded.__file__):
-        return  # (what the import system would find, sys.modules aside)
-    for name in list(sys.modules):
-        if name.partition(".")[0] in FRESH:
-            del sys.modules[name]
+def torch_variables(env: dict[str, str]) -> dict[str, str]:
+    """RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE, as torchrun sets them, from
+    the launcher's own variables in `env` (those it sets)."""
+    found = {}
+    for name, theirs in TORCH_VARIABLES.items():
+        value = next((env[v] for v in theirs if v in env), None)
+        if value is not None:
+            found[name] = value
+    return found
+
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def thread_defaults(env: dict[str, str], cores: int) -> dict[str, str]:
+    """The math libraries' thread counts, where the user set none: this machine's
+    cores shared among its ranks (as torchrun sets OMP_NUM_THREADS). Each BLAS would
+    otherwise start a thread per core in every rank: with 2 ranks on 2 cores, a numpy
+    matmul in each took 20x as long."""
+    ranks = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if ranks <= 1:
+        return {}
+    share = str(max(1, cores // ranks))
+    return {name: share for name in THREAD_VARIABLES if name not in env}
+
+
+def missing(program: list[str]) -> tuple[str, int] | None:
+    """What `python` says, and its exit status, when it cannot start `program` (a
+    script that is not there, a module that does not exist); None if it can."""
+    python = Path(sys.executable).name
+    if program[0] == "-m":
+        try:
+            found = importlib.util.find_spec(program[1]) is not None
+        except (ImportError, ValueError):
+            found = False
+        return None if found else (f"{python}: No module named {program[1]}", 1)
+    if program[0] == "-c" or os.path.exists(program[0]):
+        return None
+    return (f"{python}: can't open file {str(Path(program[0]).absolute())!r}: "
+            "[Errno 2] No such file or directory", 2)
 
 
 def run(program: list[str]) -> int:
     """Run the program in this process, with sys.path as `python` would start it
     (sys.path[0]: the script's directory, the working directory for -m, "" for -c);
-    its exit status."""
+    its exit status. As python, one line for a program that is not there; no
+    traceback for Ctrl-C (`aaccl launch` says it once for every rank)."""
     first = {"-m": os.getcwd(), "-c": ""}.get(program[0])
     if first is None:
         first = str(Path(program[0]).resolve().parent)
     if not getattr(sys.flags, "safe_path", False):  # python -P adds none
         sys.path.insert(0, first)
-    forget_imports()
+        keep_installed()
     sys.argv = list(program)
+    cannot = missing(program)
+    if cannot is not None:
+        print(cannot[0], file=sys.stderr)
+        return cannot[1]
     try:
         if program[0] == "-m":
             sys.argv = program[1:]
@@ -106,12 +162,24 @@ def run(program: list[str]) -> int:
     except SystemExit as exc:
         return exit_status(exc)
     except KeyboardInterrupt:  # Python dies of SIGINT here: a shell says 128 + SIGINT
-        traceback.print_exc()
         return 128 + signal.SIGINT
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as exc:
+        # an error aaccl.run raised in every process alike: one traceback for the job
+        shown_by = getattr(exc, REPORTED_BY, None)
+        if shown_by is None or str(shown_by) == _rank():
+            traceback.print_exc()
         return 1
     return 0
+
+
+REPORTED_BY = "_aaccl_reported_by"
+"""The attribute aaccl.run sets on an error it raises in every process alike: the rank
+whose process shows its traceback (aaccl.api._world's; this module imports no aaccl)."""
+
+
+def _rank() -> str:
+    """This rank's number, as its launcher says it ("" if none does)."""
+    return next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "")
 
 
 class WholeLines(io.RawIOBase):
@@ -223,6 +291,8 @@ def die_with_parent(parent: int) -> None:
 def main(argv: list[str]) -> None:
     whole_lines = argv[:1] == [WHOLE_LINES]
     program = argv[1:] if whole_lines else argv
+    os.environ.update(torch_variables(dict(os.environ)))
+    os.environ.update(thread_defaults(dict(os.environ), os.cpu_count() or 1))
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED | {signal.SIGCHLD})
     supervisor = os.getpid()
     news_r, news_w = os.pipe()  # who else ended: the supervisor tells the program
@@ -254,7 +324,7 @@ def main(argv: list[str]) -> None:
             pass
 
     proxy = os.getppid()
-    rank = next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "")
+    rank = _rank()
     # connected after the fork: the program must not inherit the connection
     launcher = Launcher.connect(int(rank), proxy, ended) if rank.isdigit() else None
     status = supervise(pid, proxy)

@@ -17,6 +17,8 @@ from types import TracebackType
 
 import aaccl
 
+from .._ranks import ranges as _ranks
+
 PASSED, FAILED, ABORTED, CANCELLED, SKIPPED, LOST = (
     "passed", "failed", "aborted", "cancelled", "skipped", "lost")
 _MACHINERY = tuple({str(Path(aaccl.__file__).parent)} | {
@@ -66,20 +68,6 @@ def _short(path: str) -> str:
         return str(Path(path).relative_to(Path.cwd()))
     except ValueError:
         return path
-
-
-def _ranks(numbers: Sequence[int]) -> str:
-    """`rank 3`, `ranks 0, 1`, `ranks 0-36, 38-63`: runs of three or more as ranges,
-    so that a report of 64 ranks stays one line."""
-    parts: list[str] = []
-    run: list[int] = []
-    for n in [*numbers, None]:
-        if run and (n is None or n != run[-1] + 1):
-            parts += [f"{run[0]}-{run[-1]}"] if len(run) >= 3 else [str(k) for k in run]
-            run = []
-        if n is not None:
-            run.append(n)
-    return ("rank " if len(numbers) == 1 else "ranks ") + ", ".join(parts)
 
 
 def _alike(outcomes: Sequence[Outcome]) -> list[list[Outcome]]:
