@@ -92,6 +92,33 @@ def encode(out: np.ndarray, fp: Fingerprint, data: np.ndarray | None = None,
         out[_HEADER.size:_HEADER.size + data.nbytes] = data.reshape(-1).view(np.uint8)
 
 
+TEMPLATES: dict[Fingerprint, bytes] = {}
+"""A running call's block without its data (`template`), by fingerprint."""
+HEAD = _HEADER.size
+"""Where a block's data (or reason) starts."""
+
+
+def template(fp: Fingerprint) -> bytes:
+    """A running call's block (`encode`'s, state RUNS) without its data, zeros in its
+    place: packed once per fingerprint (`TEMPLATES`), copied for every call."""
+    raw = TEMPLATES.get(fp)
+    if raw is None:
+        if len(TEMPLATES) >= 4096:
+            TEMPLATES.clear()
+        block = np.zeros(BLOCK, np.uint8)
+        encode(block, fp)
+        raw = TEMPLATES[fp] = block.tobytes()
+    return raw
+
+
+def opening(fp: Fingerprint, data: np.ndarray | None = None) -> bytearray:
+    """A running call's block, with its data if any."""
+    block = bytearray(template(fp))
+    if data is not None:
+        block[HEAD:HEAD + data.nbytes] = data.tobytes()
+    return block
+
+
 class Block:
     """A rank's block as read back: its state, error code, fingerprint and tail."""
 

@@ -26,6 +26,7 @@ turn later; if it never ends, neither does the lane, and nothing waits on it.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -44,8 +45,11 @@ from ._inbox import mismatch
 from ._message import Collective, Fingerprint
 
 if TYPE_CHECKING:
+    from .._datapath import Datapath
     from .._calls._collective import CollectiveCall
     from .._calls._schedule import ScheduleCall
+
+log = logging.getLogger("aaccl")
 
 RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
 MISMATCH = int(ErrorCode.DMA_MISMATCH_ERROR)
@@ -91,6 +95,26 @@ class Matched(Wait):
         return True
 
 
+class Opening(Matched):
+    """An opening in flight. A call with no body parks on it (`LaneTurn.start`):
+    when the call ends before the opening does (its deadline, an abort), `expire`
+    lets its turn give its place up, as the body does when the wait fails."""
+
+    __slots__ = ("turn",)
+
+    def __init__(self) -> None:
+        self.done, self.value, self.waiter = False, None, None
+        self.timeout_code = RECEIVE_TIMEOUT
+        self.turn: LaneTurn | None = None  # the turn of the call parked on it
+
+    def expire(self) -> bool:
+        turn = self.turn
+        if turn is not None:
+            self.turn = None
+            turn.ended()
+        return True
+
+
 TAKEN = Turn()
 TAKEN.set(None)
 """The turn of a call whose opening started before it waited for its turn (in its own
@@ -110,10 +134,10 @@ class Op:
     def __init__(self, index: int, fp: Fingerprint | None) -> None:
         self.index = index  # its place in the lane: the same on every rank
         self.fp = fp  # its call's, for a pending block (None: it takes its turn when it runs)
-        self.block: np.ndarray | None = None  # set when the call starts or is withdrawn
+        self.block: np.ndarray | bytearray | None = None  # set when the call starts or is withdrawn
         self.transfer: Callable[[], Any] | None = None  # starts the data's MPI collective
         self.turn: Wait | None = None
-        self.opening = Matched(RECEIVE_TIMEOUT)
+        self.opening = Opening()
         self.moved: Wait | None = None
         self.gathered: np.ndarray | None = None
         self.issued = False  # its opening has started
@@ -141,6 +165,10 @@ class Lane:
         self._dead_from: int | None = None  # a peer left: no collective from here on runs
         self._dead_why: Aborted | None = None
         self._graveyard: list[tuple[Any, Op]] = []  # MPI holds them (and their buffers)
+        # by fingerprint, for a collective whose data rides in the opening: how many
+        # elements this rank puts in its block, and how far the call reaches into its
+        # operand and result (False: the data does not ride in it); see LaneTurn.start
+        self.shapes: dict[Fingerprint, tuple[int, int, int] | bool] = {}
 
     # -- engine context -------------------------------------------------------------
 
@@ -162,12 +190,12 @@ class Lane:
         order = self._order
         return order[0].index if order else self._admitted
 
-    def withdraw(self, op: Op, block: np.ndarray) -> None:
+    def withdraw(self, op: Op, block: np.ndarray | bytearray) -> None:
         """The call will not run (or gave up before its turn): it takes its turn with
         `block`, which says why; a call whose opening is in flight is left to it."""
         self.start(op, block, None, withdrawn=True)
 
-    def start(self, op: Op, block: np.ndarray, transfer: Callable[[], Any] | None,
+    def start(self, op: Op, block: np.ndarray | bytearray, transfer: Callable[[], Any] | None,
               withdrawn: bool = False) -> None:
         """The call runs: its block is ready, and so is its data's transfer (if the
         opening agrees on one). In engine context, from the call itself: if its
@@ -191,21 +219,22 @@ class Lane:
 
     # -- any thread -----------------------------------------------------------------
 
-    def poll(self, before: Callable[[], object] | None = None) -> bool:
-        """Test what is in flight; True if anything ended. `before` runs before what
-        ended is told to the engine (see MPIFabric._poll_once). (A vain test of an
-        opening, the most frequent, calls no Python function.)"""
+    def poll(self, before: Callable[[], object] | None = None) -> bool | None:
+        """Test what is in flight; True if anything ended, None if nothing was in
+        flight (no MPI request tested). `before` runs before what ended is told to
+        the engine (see MPIFabric._poll_once). (A vain test of an opening, the most
+        frequent, calls no Python function.)"""
         if self._moving:
             events: list[tuple[Post, tuple[Any, ...]]] = []
             with self._lock:
                 came = self._test(events)
         else:
             if self._opening is None:
-                return False
+                return None
             with self._lock:
                 opening = self._opening
                 if opening is None:
-                    return False
+                    return None
                 try:
                     done: bool | Exception = opening[0].Test()
                 except Exception as error:
@@ -213,7 +242,13 @@ class Lane:
                 if done is False:
                     return False
                 events = []
-                came = self._test(events, done)
+                if done is True:  # (`_test`, inline: every collective's end)
+                    self._opened(opening[1], events)
+                    if self._queue:
+                        self._pump(events)
+                    came = True
+                else:
+                    came = self._test(events, done)
         if events:
             if before is not None:
                 before()
@@ -452,22 +487,58 @@ def transfer(comm: Any, fp: Fingerprint, rank: int, op0: np.ndarray | None,
     raise ValueError(f"no MPI collective for {Scenario(scenario).name}")
 
 
+def _operands(call: ScheduleCall) -> tuple[Datapath, np.ndarray | None, np.ndarray | None]:
+    """A call's datapath, and its operand and result in device memory as far as its
+    schedule reaches into them (None where it has none)."""
+    args, dev = call.args, call.dev
+    path = call.path if call.path is not None else dev.datapath(args)
+    reach = call.reach()
+    op0 = dev.array(args.addr_0, path.dtype, reach[0]) if reach[0] else None
+    res = dev.array(args.addr_2, path.dtype, reach[2]) if reach[2] else None
+    return path, op0, res
+
+
+def _shape(call: ScheduleCall, fp: Fingerprint) -> tuple[int, int, int] | bool:
+    """For `Lane.shapes`: (elements this rank puts in its block, reach into the
+    operand, reach into the result) if the call's data rides in its opening."""
+    if not blocks.fits(fp):
+        return False
+    comm = call.comm
+    assert comm is not None
+    reach = call.reach()
+    return blocks.share(fp, comm.rank) if reach[0] else 0, reach[0], reach[2]
+
+
 class LaneTurn(Collective):
     """A call of one of the world's collectives over MPI (`MPIPort.collective`):
     its turn in the lane, the opening exchange, then (if the data did not ride in
     it) MPI's collective moves the data. A call that ends before its turn is over
-    still takes it, with a block that says why."""
+    still takes it, with a block that says why.
 
-    __slots__ = ("lane", "op", "index")
+    A call whose data rides in the opening and whose opening starts at once (the
+    lane holds nothing back: the common small collective) runs with no body
+    (`start`): it parks on its opening, whose end settles the data and ends the
+    call (`_opened`); anything else that ending brings (a verdict, a pending peer)
+    is left to the body after all."""
+
+    __slots__ = ("lane", "op", "index", "begun", "call", "op0", "res")
 
     def __init__(self, lane: Lane) -> None:
         self.lane = lane
         self.op: Op | None = None  # its place among the collectives MPI runs
         self.index = 0  # ... which stays known once it left the lane
+        self.begun = False  # its block is in the lane (`_begin`)
+        self.call: ScheduleCall | None = None  # parked on its opening, with no body
+        self.op0: np.ndarray | None = None  # ... and its operand and result
+        self.res: np.ndarray | None = None
 
     def join(self, call: CollectiveCall) -> tuple[int, str] | None:
-        self.op = self.lane.admit(call.fp)  # (its fingerprint first: see Lane._pump)
-        self.index = self.op.index
+        lane = self.lane  # (`Lane.admit`, inline: on every collective's path)
+        self.op = op = Op(lane._admitted, call.fp)  # (its fingerprint: see Lane._pump)
+        self.index = lane._admitted
+        lane._admitted += 1
+        lane._order.append(op)
+        lane._queue.append(op)
         return None
 
     def reject(self, call: CollectiveCall, failed: CallFailed) -> None:
@@ -475,28 +546,108 @@ class LaneTurn(Collective):
         self.index = self.op.index
         self.leave(call, failed.code, failed.detail)
 
+    def start(self, call: ScheduleCall) -> bool:
+        """Run a collective whose data rides in the opening with no body, when its
+        opening starts at once: True once it is parked on it; False for the body."""
+        op, fp, lane, dev = self.op, call.fp, self.lane, call.dev
+        if op is None or fp is None or dev.gone:  # (a peer left: the body's)
+            return False
+        shape = lane.shapes.get(fp)
+        if shape is None:
+            shape = lane.shapes[fp] = _shape(call, fp)
+        if shape is False:
+            return False
+        mine, reach0, reach2 = shape  # type: ignore[misc]
+        args, path = call.args, call.path
+        assert path is not None  # (decoded at admission)
+        op0 = dev.array(args.addr_0, path.dtype, reach0) if reach0 else None
+        res = dev.array(args.addr_2, path.dtype, reach2) if reach2 else None
+        template = blocks.TEMPLATES.get(fp)
+        block = bytearray(template if template is not None else blocks.template(fp))
+        if mine and op0 is not None:
+            block[blocks.HEAD:blocks.HEAD + mine * op0.itemsize] = \
+                (op0 if mine == reach0 else op0[:mine]).tobytes()
+        self.begun = True
+        lane.start(op, block, None)
+        opening = op.opening
+        if op.turn is not TAKEN or opening.done:  # it waits for its turn, or failed to take it
+            return False
+        self.call, self.op0, self.res = call, op0, res
+        opening.turn = self
+        opening.waiter = self._opened
+        call.waiting = opening
+        call.timer = dev.engine.call_later(dev.timeout, call.expire)
+        return True
+
+    def _begin(self, call: ScheduleCall, op0: np.ndarray | None, res: np.ndarray | None,
+               inline: bool) -> None:
+        """Put our block in the lane, and our data's transfer if MPI moves it."""
+        op, fp, comm = self.op, call.fp, call.comm
+        assert op is not None and fp is not None and comm is not None
+        self.begun = True
+        mine = blocks.share(fp, comm.rank) if inline and op0 is not None else 0
+        block = blocks.opening(fp, op0[:mine] if mine and op0 is not None else None)
+        moves = None
+        if not inline and runs_natively(fp):
+            moves = transfer(self.lane.comm, fp, comm.rank, op0, res)
+        self.lane.start(op, block, moves)
+
+    def _opened(self, wait: Wait) -> None:
+        """The opening of our call with no body ended (engine context: an event):
+        settle the data and end the call, or let its body take over."""
+        call = self.call
+        assert call is not None and isinstance(wait, Opening)
+        wait.turn = self.call = None
+        call.waiting = None
+        timer = call.timer
+        if timer is not None:
+            timer.cancel()
+            call.timer = None
+        opened = wait.value
+        if type(opened) is tuple and opened[1]:  # (gathered, agreed, moving): all agree
+            op0, res, comm, path = self.op0, self.res, call.comm, call.path
+            self.op0 = self.res = None
+            assert comm is not None and path is not None
+            try:
+                blocks.settle(call.fp, comm.rank, opened[0], op0, res,  # type: ignore[arg-type]
+                              path.combine)
+            except Exception:  # a bug in the model fails this call, and nothing else
+                log.exception("soft CCLO %d: internal error settling a collective",
+                              call.dev.session)
+                call.abandon()
+                call.finish(int(ErrorCode.DMA_INTERNAL_ERROR))
+                return
+            call.finish(0)
+            return
+        self.op0 = self.res = None
+        call.body = call.run()  # a verdict, a pending peer, a failure: as the body says
+        call.resume(None)
+
+    def ended(self) -> None:
+        """Our call with no body ends while its opening is in flight (its deadline, an
+        abort, a peer's failure): as the body does when that wait fails."""
+        call = self.call
+        if call is None:
+            return
+        self.call = self.op0 = self.res = None
+        if not call.failure and call.aborting is None:  # its deadline: it gave up
+            self.leave(call, RECEIVE_TIMEOUT, None, timed_out=True)
+        call.abandon()
+
     def run(self, call: ScheduleCall) -> Generator[Wait, Any, bool]:
         """Take our turn in the lane: the opening exchange, then (if the data did not
         ride in it) MPI's collective moves it. False: MPI cannot, the schedule must."""
         if self.op is None:
             return False
         try:
-            args, dev, comm, fp = call.args, call.dev, call.comm, call.fp
-            op, lane = self.op, self.lane
+            comm, fp = call.comm, call.fp
+            op = self.op
             assert comm is not None and op is not None and fp is not None
-            path = call.path if call.path is not None else dev.datapath(args)
-            reach = call.reach()
-            op0 = dev.array(args.addr_0, path.dtype, reach[0]) if reach[0] else None
-            res = dev.array(args.addr_2, path.dtype, reach[2]) if reach[2] else None
+            path, op0, res = _operands(call)
             inline = blocks.fits(fp)
-            if not op.issued:  # (else it took its turn while pending: the schedule runs it)
-                block = np.empty(blocks.BLOCK, np.uint8)
-                mine = blocks.share(fp, comm.rank)
-                blocks.encode(block, fp, op0[:mine] if inline and mine and op0 is not None else None)
-                moves = None
-                if not inline and runs_natively(fp):
-                    moves = transfer(lane.comm, fp, comm.rank, op0, res)
-                lane.start(op, block, moves)
+            if not op.issued and not self.begun:
+                # (else it took its turn while pending: the schedule runs it)
+                self._begin(call, op0, res, inline)
             try:
                 assert op.turn is not None  # (made when its call waits for it: see Op)
                 why = op.turn.value if op.turn.done else (yield op.turn)

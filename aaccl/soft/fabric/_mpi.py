@@ -287,23 +287,27 @@ class MPIFabric:
     def _poll_once(self) -> bool:
         if self.buried:  # see `_bury`
             return False
-        MPI, status = self._mpi, self._status
+        MPI, status, lane = self._mpi, self._status, self.lane
         try:
+            # the lane's collective first (the awaited call's, most often): what came
+            # before its end is taken before its end is told (`_drain`)
+            came = lane is not None and lane.poll(self._drain)
             # MPICH's Improbe matches what it has already taken in, then makes
-            # progress: a message that came during a nap is found by a second probe
-            message = (self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-                       or self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status))
+            # progress: a message that came during a nap is found by a second probe,
+            # unless the lane's test made progress just now
+            message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            if message is None and came is None:
+                message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
             if message is not None:
                 self._take(message, status)
             if self._arriving:
                 self._arrivals()
             if self._fetches:
                 self._fetched()
-            lane = self.lane is not None and self.lane.poll(self._drain)
         except MPI.Exception as error:  # a peer died mid-message: that one is lost
             self._mpi_error(error)
             return False
-        return message is not None or lane
+        return message is not None or bool(came)
 
     def _bury(self) -> None:
         """Ranks whose processes ended abnormally (`process_lost`): first take what
@@ -863,9 +867,9 @@ class MPIPort(Port):
     def collective(self, call: CollectiveCall) -> Collective | None:
         """The world's collectives take their turn in the lane (but on kernel streams:
         over messages); elsewhere, a gather's or reduce's root announces its call."""
-        comm, args = call.comm, call.args
+        comm, args, fabric = call.comm, call.args, self.fabric
         assert comm is not None
-        lane = self.lane(comm.key)
+        lane = fabric.lane if comm.key == fabric.world_key else None  # (`lane`, inline)
         if lane is not None and not args.stream_flags:
             return LaneTurn(lane)
         if args.scenario in _ROOT_RECEIVES and comm.size > 1 and comm.rank == args.root_src_dst:
