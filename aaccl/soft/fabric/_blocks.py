@@ -36,6 +36,8 @@ its dependencies still (every rank then runs it with the schedules, see _lane)."
 _NONE = -1
 
 Combine = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
+Raw = np.ndarray | bytearray
+"""Blocks as bytes: the lane's are bytearrays, `encode` writes into arrays."""
 
 
 _ALL_ALIKE = frozenset({Scenario.ALLREDUCE, Scenario.REDUCE, Scenario.ALLGATHER,
@@ -124,7 +126,7 @@ class Block:
 
     __slots__ = ("state", "code", "fp", "tail")
 
-    def __init__(self, raw: np.ndarray) -> None:
+    def __init__(self, raw: Raw) -> None:
         state, code, scenario, count, dtype, wire, root, function, size = \
             _HEADER.unpack_from(raw, 0)  # type: ignore[arg-type]  # (a buffer: see encode)
         self.state, self.code = state, code
@@ -139,12 +141,12 @@ class Block:
         return bytes(self.tail).rstrip(b"\0").decode(errors="replace")
 
 
-def read(gathered: np.ndarray, size: int) -> list[Block]:
+def read(gathered: Raw, size: int) -> list[Block]:
     """Every rank's block from the exchange's receive buffer, in rank order."""
     return [Block(gathered[k * BLOCK:(k + 1) * BLOCK]) for k in range(size)]
 
 
-def agree(gathered: np.ndarray, size: int) -> bool:
+def agree(gathered: Raw, size: int) -> bool:
     """Whether every rank's call runs, all with the same fingerprint: then their
     headers are the same bytes, so this compares bytes and decodes nothing (it runs
     for every collective; `read` is for the rare exchange that disagrees)."""
@@ -165,7 +167,7 @@ _BCAST, _SCATTER, _GATHER, _ALLGATHER, _ALLTOALL, _REDUCE, _ALLREDUCE, _REDUCE_S
 _DTYPES: dict[str, np.dtype] = {}
 
 
-def settle(fp: Fingerprint, rank: int, gathered: np.ndarray, op0: np.ndarray | None,
+def settle(fp: Fingerprint, rank: int, gathered: Raw, op0: np.ndarray | None,
            res: np.ndarray | None, combine: Combine) -> None:
     """Complete a collective whose data rode in the blocks (`gathered`, which
     `agree`s): write this rank's result into `op0` (a bcast's) or `res` (None where
@@ -192,7 +194,7 @@ def settle(fp: Fingerprint, rank: int, gathered: np.ndarray, op0: np.ndarray | N
             assert res is not None
             res[:size * count] = parts.reshape(-1)
         return
-    start = _HEADER.size
+    start, gathered = _HEADER.size, np.frombuffer(gathered, np.uint8)
     parts = [gathered[k * BLOCK + start:k * BLOCK + start + share(fp, k) * dtype.itemsize]
              .view(dtype) for k in range(size)]
     mine = slice(rank * count, (rank + 1) * count)

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -57,6 +57,7 @@ _TYPED = frozenset({"<f4", "<f8", "<i4", "<i8"})
 _REDUCING = frozenset({Scenario.REDUCE, Scenario.ALLREDUCE, Scenario.REDUCE_SCATTER})
 
 Post = Callable[..., None]
+_new = object.__new__
 
 OPENING_SPIN = 0.002
 """Seconds after an opening starts during which whoever polls does so without a nap:
@@ -96,16 +97,14 @@ class Matched(Wait):
 
 
 class Opening(Matched):
-    """An opening in flight. A call with no body parks on it (`LaneTurn.start`):
-    when the call ends before the opening does (its deadline, an abort), `expire`
-    lets its turn give its place up, as the body does when the wait fails."""
+    """An opening in flight (made by `Op`, with RECEIVE_TIMEOUT). A call with no
+    body parks on it (`LaneTurn.start`): when the call ends before the opening does
+    (its deadline, an abort), `expire` lets its turn give its place up, as the body
+    does when the wait fails."""
 
     __slots__ = ("turn",)
 
-    def __init__(self) -> None:
-        self.done, self.value, self.waiter = False, None, None
-        self.timeout_code = RECEIVE_TIMEOUT
-        self.turn: LaneTurn | None = None  # the turn of the call parked on it
+    turn: LaneTurn | None  # the turn of the call parked on it
 
     def expire(self) -> bool:
         turn = self.turn
@@ -137,9 +136,11 @@ class Op:
         self.block: np.ndarray | bytearray | None = None  # set when the call starts or is withdrawn
         self.transfer: Callable[[], Any] | None = None  # starts the data's MPI collective
         self.turn: Wait | None = None
-        self.opening = Opening()
+        self.opening = opening = _new(Opening)  # (no __init__: one call less per call)
+        opening.done, opening.value, opening.waiter = False, None, None
+        opening.timeout_code, opening.turn = RECEIVE_TIMEOUT, None
         self.moved: Wait | None = None
-        self.gathered: np.ndarray | None = None
+        self.gathered: bytearray | None = None
         self.issued = False  # its opening has started
         self.finished = False  # MPI is done with all of it
 
@@ -147,12 +148,12 @@ class Op:
 class Lane:
     """The world communicator's collectives of one process, in MPI's order."""
 
-    def __init__(self, comm: Any, post: Post,
-                 gone: Callable[[], str | None] = lambda: None) -> None:
-        """`gone()`: why a process of the job has ended, if one has: the world's
-        collectives can never complete then, and nothing more is started in MPI
-        (which may crash sending to a dead process)."""
-        self.comm, self.size, self._post, self._gone = comm, comm.Get_size(), post, gone
+    def __init__(self, comm: Any, post: Post, ended: Sequence[str] = ()) -> None:
+        """`ended`: why a process of the job has ended, once one has (its first
+        item; a list that whoever learns it fills): the world's collectives can never
+        complete then, and nothing more is started in MPI (which may crash sending to
+        a dead process)."""
+        self.comm, self.size, self._post, self._ended = comm, comm.Get_size(), post, ended
         self._lock = threading.Lock()
         self._queue: deque[Op] = deque()  # admitted, opening not started yet
         self._opening: tuple[Any, Op] | None = None  # in flight: holds the lane back
@@ -334,13 +335,13 @@ class Lane:
                 self._turn(op, self._dead_why, events)  # no peer would match it
                 self._finish(op)
                 continue
-            gone = self._gone()
+            gone = self._ended[0] if self._ended else None
             if gone is not None:
                 self._turn(op, None, events)
                 events.append((op.opening.set, (self._cannot(gone),)))
                 self._finish(op)
                 continue
-            op.gathered = np.empty(self.size * BLOCK, np.uint8)
+            op.gathered = bytearray(self.size * BLOCK)
             try:
                 request = self.comm.Iallgather(op.block, op.gathered)
             except Exception as error:  # MPI failed (a peer died)
@@ -403,7 +404,7 @@ class Lane:
         assert gathered is not None
         agreed = agree(gathered, self.size)
         moving = False
-        gone = self._gone() if agreed and op.transfer is not None else None
+        gone = self._ended[0] if self._ended and agreed and op.transfer is not None else None
         if gone is not None:
             moving = True
             op.moved = Matched(RECEIVE_TIMEOUT)
@@ -523,19 +524,21 @@ class LaneTurn(Collective):
 
     __slots__ = ("lane", "op", "index", "begun", "call", "op0", "res")
 
-    def __init__(self, lane: Lane) -> None:
-        self.lane = lane
-        self.op: Op | None = None  # its place among the collectives MPI runs
-        self.index = 0  # ... which stays known once it left the lane
-        self.begun = False  # its block is in the lane (`_begin`)
-        self.call: ScheduleCall | None = None  # parked on its opening, with no body
-        self.op0: np.ndarray | None = None  # ... and its operand and result
-        self.res: np.ndarray | None = None
+    # (no __init__, one call less per call: `MPIPort.collective` sets `lane`, then
+    # `join` or `reject` the rest)
+    lane: Lane
+    op: Op | None  # its place among the collectives MPI runs
+    index: int  # ... which stays known once it left the lane
+    begun: bool  # its block is in the lane (`_begin`)
+    call: ScheduleCall | None  # parked on its opening, with no body
+    op0: np.ndarray | None  # ... and its operand and result
+    res: np.ndarray | None
 
     def join(self, call: CollectiveCall) -> tuple[int, str] | None:
         lane = self.lane  # (`Lane.admit`, inline: on every collective's path)
         self.op = op = Op(lane._admitted, call.fp)  # (its fingerprint: see Lane._pump)
-        self.index = lane._admitted
+        self.index, self.begun, self.call, self.op0, self.res = \
+            lane._admitted, False, None, None, None
         lane._admitted += 1
         lane._order.append(op)
         lane._queue.append(op)
@@ -543,7 +546,8 @@ class LaneTurn(Collective):
 
     def reject(self, call: CollectiveCall, failed: CallFailed) -> None:
         self.op = self.lane.admit()
-        self.index = self.op.index
+        self.index, self.begun, self.call, self.op0, self.res = \
+            self.op.index, False, None, None, None
         self.leave(call, failed.code, failed.detail)
 
     def start(self, call: ScheduleCall) -> bool:

@@ -119,8 +119,11 @@ EXIT_GRACE = 5
 _open: weakref.WeakSet[MPIFabric] = weakref.WeakSet()
 _closing = threading.Condition()  # notified as each `close` under way ends
 _closes = 0  # how many are under way (on any thread)
-_ended: str | None = None
+_ended: list[str] = []  # why a process of the job ended (`process_lost`), once one has
 _dead: dict[int, str] = {}
+
+
+_new = object.__new__
 
 
 def _payload_tag(msg_id: int) -> int:
@@ -173,7 +176,7 @@ class MPIFabric:
         # the world's collectives run as MPI collectives, on a communicator of their own
         self.lane: Lane | None = None
         if self.size > 1 and os.environ.get("AACCL_MPI_COLLECTIVES", "1") != "0":
-            self.lane = Lane(self.comm.Dup(), self.engine.post, MPIFabric.ended)
+            self.lane = Lane(self.comm.Dup(), self.engine.post, _ended)
         self.world_key = tuple(range(self.size))
         # the peers whose processes this one can watch (same kernel, same pid namespace)
         here = _machine()
@@ -701,8 +704,8 @@ class MPIFabric:
         now on. `ranks`: which ranks' programs ended abnormally, and how, where that is
         known (`aaccl launch` tells): each open fabric treats them as gone (`_bury`).
         Safe in a signal handler (it takes no lock)."""
-        global _ended
-        _ended = _ended or reason
+        if not _ended:
+            _ended.append(reason)
         if ranks:
             _dead.update(ranks)
         for fabric in list(_open):
@@ -720,7 +723,7 @@ class MPIFabric:
     def ended() -> str | None:
         """Why a process of this MPI job is known to have ended (see `process_lost`),
         or None: a wait for every rank (a barrier) after that may never finish."""
-        return _ended
+        return _ended[0] if _ended else None
 
     def missing(self) -> str | None:
         """Why a peer will never come where this rank waits for every rank, or None
@@ -871,7 +874,9 @@ class MPIPort(Port):
         assert comm is not None
         lane = fabric.lane if comm.key == fabric.world_key else None  # (`lane`, inline)
         if lane is not None and not args.stream_flags:
-            return LaneTurn(lane)
+            turn = _new(LaneTurn)  # (no __init__: see LaneTurn)
+            turn.lane = lane
+            return turn
         if args.scenario in _ROOT_RECEIVES and comm.size > 1 and comm.rank == args.root_src_dst:
             return _ANNOUNCE
         return None
