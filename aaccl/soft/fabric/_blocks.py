@@ -24,7 +24,6 @@ from ._message import Fingerprint
 BLOCK = 512
 """Bytes per rank in the opening exchange."""
 _HEADER = struct.Struct("<qqqq8s8sqqq")  # state, code, scenario, count, dtype, wire, root, function, size
-_STATE = struct.Struct("<q")
 INLINE = BLOCK - _HEADER.size
 """Bytes of data (or of a failure's reason) that ride in a rank's block."""
 
@@ -34,6 +33,8 @@ was cancelled); it failed with an error code of its own before it ran; it waits 
 its dependencies still (every rank then runs it with the schedules, see _lane)."""
 
 _NONE = -1
+_RUNNING = RUNS.to_bytes(8, "little")
+"""A block's first 8 bytes when its call runs."""
 
 Combine = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 Raw = np.ndarray | bytearray
@@ -150,12 +151,12 @@ def agree(gathered: Raw, size: int) -> bool:
     """Whether every rank's call runs, all with the same fingerprint: then their
     headers are the same bytes, so this compares bytes and decodes nothing (it runs
     for every collective; `read` is for the rare exchange that disagrees)."""
-    raw = memoryview(gathered)  # type: ignore[arg-type]  # (a buffer: see encode)
-    first = raw[:_HEADER.size]
-    if _STATE.unpack_from(first)[0] != RUNS:
+    raw = gathered if type(gathered) is bytearray else bytearray(gathered)
+    first = raw[:HEAD]
+    if not first.startswith(_RUNNING):
         return False
     for start in range(BLOCK, size * BLOCK, BLOCK):  # (a loop: no generator to resume)
-        if raw[start:start + _HEADER.size] != first:
+        if raw[start:start + HEAD] != first:
             return False
     return True
 
