@@ -27,6 +27,7 @@ turn later; if it never ends, neither does the lane, and nothing waits on it.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -37,7 +38,7 @@ import numpy as np
 
 from ..._constants import ErrorCode, ReduceFunction, Scenario
 from ..._errors import Aborted
-from .._engine import Wait
+from .._engine import Engine, Timer, Wait
 from .._failure import CallFailed
 from . import _blocks as blocks
 from ._blocks import BLOCK, PENDING, agree, encode
@@ -58,6 +59,10 @@ _REDUCING = frozenset({Scenario.REDUCE, Scenario.ALLREDUCE, Scenario.REDUCE_SCAT
 
 Post = Callable[..., None]
 _new = object.__new__
+
+ALARM_STEP = 0.001
+"""Seconds: the shortest delay of the lane's alarm (see `Lane._look`); the others
+are this times a power of two."""
 
 OPENING_SPIN = 0.002
 """Seconds after an opening starts during which whoever polls does so without a nap:
@@ -170,6 +175,12 @@ class Lane:
         # elements this rank puts in its block, and how far the call reaches into its
         # operand and result (False: the data does not ride in it); see LaneTurn.start
         self.shapes: dict[Fingerprint, tuple[int, int, int] | bool] = {}
+        # engine context: the calls parked on their openings (LaneTurn.start), by
+        # deadline, and the one engine timer that looks at them (`_look`)
+        self.parked: dict[LaneTurn, float] = {}
+        self._alarm: Timer | None = None
+        self._alarm_at = math.inf
+        self._engine: Engine | None = None  # (the parked calls' engine)
 
     # -- engine context -------------------------------------------------------------
 
@@ -217,6 +228,41 @@ class Lane:
                     op.turn = Turn()  # its call waits for it: set by an event
         if events:
             self._emit(events)
+
+    def park(self, turn: LaneTurn, engine: Engine, timeout: float) -> None:
+        """`turn`'s call waits for its opening, `timeout` seconds at most. One engine
+        timer looks at every parked call's deadline (`_look`): a call costs no timer
+        of its own, as calls come one after another."""
+        deadline = time.monotonic() + timeout
+        self.parked[turn] = deadline
+        if deadline < self._alarm_at:  # (the first, or the timeout was shortened)
+            if self._alarm is not None:
+                self._alarm.cancel()
+            self._alarm, self._alarm_at = engine.call_later(timeout, self._look), deadline
+            self._engine = engine
+
+    def _look(self) -> None:
+        """The alarm (engine context): the calls parked past their deadlines expire;
+        the alarm is set again for the first of the others. (The engine keeps its
+        timers by delay, so the delay is the largest of a few fixed ones that is not
+        longer than what is left: an alarm goes off a few times on its way to a far
+        deadline, and one late by at most ALARM_STEP.)"""
+        self._alarm, self._alarm_at = None, math.inf
+        now = time.monotonic()
+        overdue = [turn for turn, deadline in self.parked.items() if deadline <= now]
+        # every call's words first, as they are at the deadline
+        expiring = [(turn.call, turn.call.timeout_detail(turn.call.waiting))
+                    for turn in overdue if turn.call is not None and turn.call.waiting is not None]
+        for call, detail in expiring:
+            call.expire(detail)
+        for turn in overdue:
+            self.parked.pop(turn, None)
+        if self.parked and self._engine is not None:
+            first = min(self.parked.values())
+            delay = ALARM_STEP
+            while delay * 2 <= first - now:
+                delay *= 2
+            self._alarm, self._alarm_at = self._engine.call_later(delay, self._look), now + delay
 
     # -- any thread -----------------------------------------------------------------
 
@@ -580,7 +626,7 @@ class LaneTurn(Collective):
         opening.turn = self
         opening.waiter = self._opened
         call.waiting = opening
-        call.timer = dev.engine.call_later(dev.timeout, call.expire)
+        lane.park(self, dev.engine, dev.timeout)
         return True
 
     def _begin(self, call: ScheduleCall, op0: np.ndarray | None, res: np.ndarray | None,
@@ -603,10 +649,7 @@ class LaneTurn(Collective):
         assert call is not None and isinstance(wait, Opening)
         wait.turn = self.call = None
         call.waiting = None
-        timer = call.timer
-        if timer is not None:
-            timer.cancel()
-            call.timer = None
+        del self.lane.parked[self]
         opened = wait.value
         if type(opened) is tuple and opened[1]:  # (gathered, agreed, moving): all agree
             op0, res, comm, path = self.op0, self.res, call.comm, call.path
@@ -634,6 +677,7 @@ class LaneTurn(Collective):
         if call is None:
             return
         self.call = self.op0 = self.res = None
+        self.lane.parked.pop(self, None)
         if not call.failure and call.aborting is None:  # its deadline: it gave up
             self.leave(call, RECEIVE_TIMEOUT, None, timed_out=True)
         call.abandon()
