@@ -176,7 +176,7 @@ class Lane:
         # operand and result (False: the data does not ride in it); see LaneTurn.start
         self.shapes: dict[Fingerprint, tuple[int, int, int] | bool] = {}
         # engine context: the calls parked on their openings (LaneTurn.start), by
-        # deadline, and the one engine timer that looks at them (`_look`)
+        # deadline, and the one engine timer that looks at them (`alarm`, `_look`)
         self.parked: dict[LaneTurn, float] = {}
         self._alarm: Timer | None = None
         self._alarm_at = math.inf
@@ -229,17 +229,16 @@ class Lane:
         if events:
             self._emit(events)
 
-    def park(self, turn: LaneTurn, engine: Engine, timeout: float) -> None:
-        """`turn`'s call waits for its opening, `timeout` seconds at most. One engine
-        timer looks at every parked call's deadline (`_look`): a call costs no timer
-        of its own, as calls come one after another."""
-        deadline = time.monotonic() + timeout
-        self.parked[turn] = deadline
-        if deadline < self._alarm_at:  # (the first, or the timeout was shortened)
-            if self._alarm is not None:
-                self._alarm.cancel()
-            self._alarm, self._alarm_at = engine.call_later(timeout, self._look), deadline
-            self._engine = engine
+    def alarm(self, engine: Engine, timeout: float, deadline: float) -> None:
+        """Set the alarm for `deadline`, `timeout` seconds from now, which comes
+        before the one it is set for (if any): the first parked call's, or one whose
+        timeout was shortened. A call is parked (LaneTurn.start) with its deadline in
+        `parked`; one engine timer looks at them all (`_look`), so a call costs no
+        timer of its own, as calls come one after another."""
+        if self._alarm is not None:
+            self._alarm.cancel()
+        self._alarm, self._alarm_at = engine.call_later(timeout, self._look), deadline
+        self._engine = engine
 
     def _look(self) -> None:
         """The alarm (engine context): the calls parked past their deadlines expire;
@@ -626,7 +625,10 @@ class LaneTurn(Collective):
         opening.turn = self
         opening.waiter = self._opened
         call.waiting = opening
-        lane.park(self, dev.engine, dev.timeout)
+        deadline = time.monotonic() + dev.timeout
+        lane.parked[self] = deadline
+        if deadline < lane._alarm_at:
+            lane.alarm(dev.engine, dev.timeout, deadline)
         return True
 
     def _begin(self, call: ScheduleCall, op0: np.ndarray | None, res: np.ndarray | None,
