@@ -64,6 +64,9 @@ ALARM_STEP = 0.001
 """Seconds: the shortest delay of the lane's alarm (see `Lane._look`); the others
 are this times a power of two."""
 
+SHAPES_KEPT = 4096
+"""Distinct fingerprints whose shapes a lane keeps (`Lane.shapes`)."""
+
 OPENING_SPIN = 0.002
 """Seconds after an opening starts during which whoever polls does so without a nap:
 the peers are usually close behind (the round trip of MPI's allgather)."""
@@ -603,6 +606,8 @@ class LaneTurn(Collective):
             return False
         shape = lane.shapes.get(fp)
         if shape is None:
+            if len(lane.shapes) >= SHAPES_KEPT:
+                lane.shapes.clear()
             shape = lane.shapes[fp] = _shape(call, fp)
         if shape is False:
             return False
