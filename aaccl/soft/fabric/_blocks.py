@@ -24,7 +24,6 @@ from ._message import Fingerprint
 BLOCK = 512
 """Bytes per rank in the opening exchange."""
 _HEADER = struct.Struct("<qqqq8s8sqqq")  # state, code, scenario, count, dtype, wire, root, function, size
-_STATE = struct.Struct("<q")
 INLINE = BLOCK - _HEADER.size
 """Bytes of data (or of a failure's reason) that ride in a rank's block."""
 
@@ -34,8 +33,12 @@ was cancelled); it failed with an error code of its own before it ran; it waits 
 its dependencies still (every rank then runs it with the schedules, see _lane)."""
 
 _NONE = -1
+_RUNNING = RUNS.to_bytes(8, "little")
+"""A block's first 8 bytes when its call runs."""
 
 Combine = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
+Raw = np.ndarray | bytearray
+"""Blocks as bytes: the lane's are bytearrays, `encode` writes into arrays."""
 
 
 _ALL_ALIKE = frozenset({Scenario.ALLREDUCE, Scenario.REDUCE, Scenario.ALLGATHER,
@@ -92,12 +95,39 @@ def encode(out: np.ndarray, fp: Fingerprint, data: np.ndarray | None = None,
         out[_HEADER.size:_HEADER.size + data.nbytes] = data.reshape(-1).view(np.uint8)
 
 
+TEMPLATES: dict[Fingerprint, bytes] = {}
+"""A running call's block without its data (`template`), by fingerprint."""
+HEAD = _HEADER.size
+"""Where a block's data (or reason) starts."""
+
+
+def template(fp: Fingerprint) -> bytes:
+    """A running call's block (`encode`'s, state RUNS) without its data, zeros in its
+    place: packed once per fingerprint (`TEMPLATES`), copied for every call."""
+    raw = TEMPLATES.get(fp)
+    if raw is None:
+        if len(TEMPLATES) >= 4096:
+            TEMPLATES.clear()
+        block = np.zeros(BLOCK, np.uint8)
+        encode(block, fp)
+        raw = TEMPLATES[fp] = block.tobytes()
+    return raw
+
+
+def opening(fp: Fingerprint, data: np.ndarray | None = None) -> bytearray:
+    """A running call's block, with its data if any."""
+    block = bytearray(template(fp))
+    if data is not None:
+        block[HEAD:HEAD + data.nbytes] = data.tobytes()
+    return block
+
+
 class Block:
     """A rank's block as read back: its state, error code, fingerprint and tail."""
 
     __slots__ = ("state", "code", "fp", "tail")
 
-    def __init__(self, raw: np.ndarray) -> None:
+    def __init__(self, raw: Raw) -> None:
         state, code, scenario, count, dtype, wire, root, function, size = \
             _HEADER.unpack_from(raw, 0)  # type: ignore[arg-type]  # (a buffer: see encode)
         self.state, self.code = state, code
@@ -112,21 +142,21 @@ class Block:
         return bytes(self.tail).rstrip(b"\0").decode(errors="replace")
 
 
-def read(gathered: np.ndarray, size: int) -> list[Block]:
+def read(gathered: Raw, size: int) -> list[Block]:
     """Every rank's block from the exchange's receive buffer, in rank order."""
     return [Block(gathered[k * BLOCK:(k + 1) * BLOCK]) for k in range(size)]
 
 
-def agree(gathered: np.ndarray, size: int) -> bool:
+def agree(gathered: Raw, size: int) -> bool:
     """Whether every rank's call runs, all with the same fingerprint: then their
     headers are the same bytes, so this compares bytes and decodes nothing (it runs
     for every collective; `read` is for the rare exchange that disagrees)."""
-    raw = memoryview(gathered)  # type: ignore[arg-type]  # (a buffer: see encode)
-    first = raw[:_HEADER.size]
-    if _STATE.unpack_from(first)[0] != RUNS:
+    raw = gathered if type(gathered) is bytearray else bytearray(gathered)
+    first = raw[:HEAD]
+    if not first.startswith(_RUNNING):
         return False
     for start in range(BLOCK, size * BLOCK, BLOCK):  # (a loop: no generator to resume)
-        if raw[start:start + _HEADER.size] != first:
+        if raw[start:start + HEAD] != first:
             return False
     return True
 
@@ -138,7 +168,7 @@ _BCAST, _SCATTER, _GATHER, _ALLGATHER, _ALLTOALL, _REDUCE, _ALLREDUCE, _REDUCE_S
 _DTYPES: dict[str, np.dtype] = {}
 
 
-def settle(fp: Fingerprint, rank: int, gathered: np.ndarray, op0: np.ndarray | None,
+def settle(fp: Fingerprint, rank: int, gathered: Raw, op0: np.ndarray | None,
            res: np.ndarray | None, combine: Combine) -> None:
     """Complete a collective whose data rode in the blocks (`gathered`, which
     `agree`s): write this rank's result into `op0` (a bcast's) or `res` (None where
@@ -165,7 +195,7 @@ def settle(fp: Fingerprint, rank: int, gathered: np.ndarray, op0: np.ndarray | N
             assert res is not None
             res[:size * count] = parts.reshape(-1)
         return
-    start = _HEADER.size
+    start, gathered = _HEADER.size, np.frombuffer(gathered, np.uint8)
     parts = [gathered[k * BLOCK + start:k * BLOCK + start + share(fp, k) * dtype.itemsize]
              .view(dtype) for k in range(size)]
     mine = slice(rank * count, (rank + 1) * count)

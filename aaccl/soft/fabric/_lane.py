@@ -26,17 +26,19 @@ turn later; if it never ends, neither does the lane, and nothing waits on it.
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..._constants import ErrorCode, ReduceFunction, Scenario
 from ..._errors import Aborted
-from .._engine import Wait
+from .._engine import Engine, Timer, Wait
 from .._failure import CallFailed
 from . import _blocks as blocks
 from ._blocks import BLOCK, PENDING, agree, encode
@@ -44,8 +46,11 @@ from ._inbox import mismatch
 from ._message import Collective, Fingerprint
 
 if TYPE_CHECKING:
+    from .._datapath import Datapath
     from .._calls._collective import CollectiveCall
     from .._calls._schedule import ScheduleCall
+
+log = logging.getLogger("aaccl")
 
 RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
 MISMATCH = int(ErrorCode.DMA_MISMATCH_ERROR)
@@ -53,6 +58,14 @@ _TYPED = frozenset({"<f4", "<f8", "<i4", "<i8"})
 _REDUCING = frozenset({Scenario.REDUCE, Scenario.ALLREDUCE, Scenario.REDUCE_SCATTER})
 
 Post = Callable[..., None]
+_new = object.__new__
+
+ALARM_STEP = 0.001
+"""Seconds: the shortest delay of the lane's alarm (see `Lane._look`); the others
+are this times a power of two."""
+
+SHAPES_KEPT = 4096
+"""Distinct fingerprints whose shapes a lane keeps (`Lane.shapes`)."""
 
 OPENING_SPIN = 0.002
 """Seconds after an opening starts during which whoever polls does so without a nap:
@@ -91,6 +104,24 @@ class Matched(Wait):
         return True
 
 
+class Opening(Matched):
+    """An opening in flight (made by `Op`, with RECEIVE_TIMEOUT). A call with no
+    body parks on it (`LaneTurn.start`): when the call ends before the opening does
+    (its deadline, an abort), `expire` lets its turn give its place up, as the body
+    does when the wait fails."""
+
+    __slots__ = ("turn",)
+
+    turn: LaneTurn | None  # the turn of the call parked on it
+
+    def expire(self) -> bool:
+        turn = self.turn
+        if turn is not None:
+            self.turn = None
+            turn.ended()
+        return True
+
+
 TAKEN = Turn()
 TAKEN.set(None)
 """The turn of a call whose opening started before it waited for its turn (in its own
@@ -110,12 +141,14 @@ class Op:
     def __init__(self, index: int, fp: Fingerprint | None) -> None:
         self.index = index  # its place in the lane: the same on every rank
         self.fp = fp  # its call's, for a pending block (None: it takes its turn when it runs)
-        self.block: np.ndarray | None = None  # set when the call starts or is withdrawn
+        self.block: np.ndarray | bytearray | None = None  # set when the call starts or is withdrawn
         self.transfer: Callable[[], Any] | None = None  # starts the data's MPI collective
         self.turn: Wait | None = None
-        self.opening = Matched(RECEIVE_TIMEOUT)
+        self.opening = opening = _new(Opening)  # (no __init__: one call less per call)
+        opening.done, opening.value, opening.waiter = False, None, None
+        opening.timeout_code, opening.turn = RECEIVE_TIMEOUT, None
         self.moved: Wait | None = None
-        self.gathered: np.ndarray | None = None
+        self.gathered: bytearray | None = None
         self.issued = False  # its opening has started
         self.finished = False  # MPI is done with all of it
 
@@ -123,12 +156,12 @@ class Op:
 class Lane:
     """The world communicator's collectives of one process, in MPI's order."""
 
-    def __init__(self, comm: Any, post: Post,
-                 gone: Callable[[], str | None] = lambda: None) -> None:
-        """`gone()`: why a process of the job has ended, if one has: the world's
-        collectives can never complete then, and nothing more is started in MPI
-        (which may crash sending to a dead process)."""
-        self.comm, self.size, self._post, self._gone = comm, comm.Get_size(), post, gone
+    def __init__(self, comm: Any, post: Post, ended: Sequence[str] = ()) -> None:
+        """`ended`: why a process of the job has ended, once one has (its first
+        item; a list that whoever learns it fills): the world's collectives can never
+        complete then, and nothing more is started in MPI (which may crash sending to
+        a dead process)."""
+        self.comm, self.size, self._post, self._ended = comm, comm.Get_size(), post, ended
         self._lock = threading.Lock()
         self._queue: deque[Op] = deque()  # admitted, opening not started yet
         self._opening: tuple[Any, Op] | None = None  # in flight: holds the lane back
@@ -141,6 +174,16 @@ class Lane:
         self._dead_from: int | None = None  # a peer left: no collective from here on runs
         self._dead_why: Aborted | None = None
         self._graveyard: list[tuple[Any, Op]] = []  # MPI holds them (and their buffers)
+        # by fingerprint, for a collective whose data rides in the opening: how many
+        # elements this rank puts in its block, and how far the call reaches into its
+        # operand and result (False: the data does not ride in it); see LaneTurn.start
+        self.shapes: dict[Fingerprint, tuple[int, int, int] | bool] = {}
+        # engine context: the calls parked on their openings (LaneTurn.start), by
+        # deadline, and the one engine timer that looks at them (`alarm`, `_look`)
+        self.parked: dict[LaneTurn, float] = {}
+        self._alarm: Timer | None = None
+        self._alarm_at = math.inf
+        self._engine: Engine | None = None  # (the parked calls' engine)
 
     # -- engine context -------------------------------------------------------------
 
@@ -162,12 +205,12 @@ class Lane:
         order = self._order
         return order[0].index if order else self._admitted
 
-    def withdraw(self, op: Op, block: np.ndarray) -> None:
+    def withdraw(self, op: Op, block: np.ndarray | bytearray) -> None:
         """The call will not run (or gave up before its turn): it takes its turn with
         `block`, which says why; a call whose opening is in flight is left to it."""
         self.start(op, block, None, withdrawn=True)
 
-    def start(self, op: Op, block: np.ndarray, transfer: Callable[[], Any] | None,
+    def start(self, op: Op, block: np.ndarray | bytearray, transfer: Callable[[], Any] | None,
               withdrawn: bool = False) -> None:
         """The call runs: its block is ready, and so is its data's transfer (if the
         opening agrees on one). In engine context, from the call itself: if its
@@ -189,23 +232,58 @@ class Lane:
         if events:
             self._emit(events)
 
+    def alarm(self, engine: Engine, timeout: float, deadline: float) -> None:
+        """Set the alarm for `deadline`, `timeout` seconds from now, which comes
+        before the one it is set for (if any): the first parked call's, or one whose
+        timeout was shortened. A call is parked (LaneTurn.start) with its deadline in
+        `parked`; one engine timer looks at them all (`_look`), so a call costs no
+        timer of its own, as calls come one after another."""
+        if self._alarm is not None:
+            self._alarm.cancel()
+        self._alarm, self._alarm_at = engine.call_later(timeout, self._look), deadline
+        self._engine = engine
+
+    def _look(self) -> None:
+        """The alarm (engine context): the calls parked past their deadlines expire;
+        the alarm is set again for the first of the others. (The engine keeps its
+        timers by delay, so the delay is the largest of a few fixed ones that is not
+        longer than what is left: an alarm goes off a few times on its way to a far
+        deadline, and one late by at most ALARM_STEP.)"""
+        self._alarm, self._alarm_at = None, math.inf
+        now = time.monotonic()
+        overdue = [turn for turn, deadline in self.parked.items() if deadline <= now]
+        # every call's words first, as they are at the deadline
+        expiring = [(turn.call, turn.call.timeout_detail(turn.call.waiting))
+                    for turn in overdue if turn.call is not None and turn.call.waiting is not None]
+        for call, detail in expiring:
+            call.expire(detail)
+        for turn in overdue:
+            self.parked.pop(turn, None)
+        if self.parked and self._engine is not None:
+            first = min(self.parked.values())
+            delay = ALARM_STEP
+            while delay * 2 <= first - now:
+                delay *= 2
+            self._alarm, self._alarm_at = self._engine.call_later(delay, self._look), now + delay
+
     # -- any thread -----------------------------------------------------------------
 
-    def poll(self, before: Callable[[], object] | None = None) -> bool:
-        """Test what is in flight; True if anything ended. `before` runs before what
-        ended is told to the engine (see MPIFabric._poll_once). (A vain test of an
-        opening, the most frequent, calls no Python function.)"""
+    def poll(self, before: Callable[[], object] | None = None) -> bool | None:
+        """Test what is in flight; True if anything ended, None if nothing was in
+        flight (no MPI request tested). `before` runs before what ended is told to
+        the engine (see MPIFabric._poll_once). (A vain test of an opening, the most
+        frequent, calls no Python function.)"""
         if self._moving:
             events: list[tuple[Post, tuple[Any, ...]]] = []
             with self._lock:
                 came = self._test(events)
         else:
             if self._opening is None:
-                return False
+                return None
             with self._lock:
                 opening = self._opening
                 if opening is None:
-                    return False
+                    return None
                 try:
                     done: bool | Exception = opening[0].Test()
                 except Exception as error:
@@ -213,7 +291,13 @@ class Lane:
                 if done is False:
                     return False
                 events = []
-                came = self._test(events, done)
+                if done is True:  # (`_test`, inline: every collective's end)
+                    self._opened(opening[1], events)
+                    if self._queue:
+                        self._pump(events)
+                    came = True
+                else:
+                    came = self._test(events, done)
         if events:
             if before is not None:
                 before()
@@ -299,13 +383,13 @@ class Lane:
                 self._turn(op, self._dead_why, events)  # no peer would match it
                 self._finish(op)
                 continue
-            gone = self._gone()
+            gone = self._ended[0] if self._ended else None
             if gone is not None:
                 self._turn(op, None, events)
                 events.append((op.opening.set, (self._cannot(gone),)))
                 self._finish(op)
                 continue
-            op.gathered = np.empty(self.size * BLOCK, np.uint8)
+            op.gathered = bytearray(self.size * BLOCK)
             try:
                 request = self.comm.Iallgather(op.block, op.gathered)
             except Exception as error:  # MPI failed (a peer died)
@@ -368,7 +452,7 @@ class Lane:
         assert gathered is not None
         agreed = agree(gathered, self.size)
         moving = False
-        gone = self._gone() if agreed and op.transfer is not None else None
+        gone = self._ended[0] if self._ended and agreed and op.transfer is not None else None
         if gone is not None:
             moving = True
             op.moved = Matched(RECEIVE_TIMEOUT)
@@ -452,28 +536,158 @@ def transfer(comm: Any, fp: Fingerprint, rank: int, op0: np.ndarray | None,
     raise ValueError(f"no MPI collective for {Scenario(scenario).name}")
 
 
+def _operands(call: ScheduleCall) -> tuple[Datapath, np.ndarray | None, np.ndarray | None]:
+    """A call's datapath, and its operand and result in device memory as far as its
+    schedule reaches into them (None where it has none)."""
+    args, dev = call.args, call.dev
+    path = call.path if call.path is not None else dev.datapath(args)
+    reach = call.reach()
+    op0 = dev.array(args.addr_0, path.dtype, reach[0]) if reach[0] else None
+    res = dev.array(args.addr_2, path.dtype, reach[2]) if reach[2] else None
+    return path, op0, res
+
+
+def _shape(call: ScheduleCall, fp: Fingerprint) -> tuple[int, int, int] | bool:
+    """For `Lane.shapes`: (elements this rank puts in its block, reach into the
+    operand, reach into the result) if the call's data rides in its opening."""
+    if not blocks.fits(fp):
+        return False
+    comm = call.comm
+    assert comm is not None
+    reach = call.reach()
+    return blocks.share(fp, comm.rank) if reach[0] else 0, reach[0], reach[2]
+
+
 class LaneTurn(Collective):
     """A call of one of the world's collectives over MPI (`MPIPort.collective`):
     its turn in the lane, the opening exchange, then (if the data did not ride in
     it) MPI's collective moves the data. A call that ends before its turn is over
-    still takes it, with a block that says why."""
+    still takes it, with a block that says why.
 
-    __slots__ = ("lane", "op", "index")
+    A call whose data rides in the opening and whose opening starts at once (the
+    lane holds nothing back: the common small collective) runs with no body
+    (`start`): it parks on its opening, whose end settles the data and ends the
+    call (`_opened`); anything else that ending brings (a verdict, a pending peer)
+    is left to the body after all."""
 
-    def __init__(self, lane: Lane) -> None:
-        self.lane = lane
-        self.op: Op | None = None  # its place among the collectives MPI runs
-        self.index = 0  # ... which stays known once it left the lane
+    __slots__ = ("lane", "op", "index", "begun", "call", "op0", "res")
+
+    # (no __init__, one call less per call: `MPIPort.collective` sets `lane`, then
+    # `join` or `reject` the rest)
+    lane: Lane
+    op: Op | None  # its place among the collectives MPI runs
+    index: int  # ... which stays known once it left the lane
+    begun: bool  # its block is in the lane (`_begin`)
+    call: ScheduleCall | None  # parked on its opening, with no body
+    op0: np.ndarray | None  # ... and its operand and result
+    res: np.ndarray | None
 
     def join(self, call: CollectiveCall) -> tuple[int, str] | None:
-        self.op = self.lane.admit(call.fp)  # (its fingerprint first: see Lane._pump)
-        self.index = self.op.index
+        lane = self.lane  # (`Lane.admit`, inline: on every collective's path)
+        self.op = op = Op(lane._admitted, call.fp)  # (its fingerprint: see Lane._pump)
+        self.index, self.begun, self.call, self.op0, self.res = \
+            lane._admitted, False, None, None, None
+        lane._admitted += 1
+        lane._order.append(op)
+        lane._queue.append(op)
         return None
 
     def reject(self, call: CollectiveCall, failed: CallFailed) -> None:
         self.op = self.lane.admit()
-        self.index = self.op.index
+        self.index, self.begun, self.call, self.op0, self.res = \
+            self.op.index, False, None, None, None
         self.leave(call, failed.code, failed.detail)
+
+    def start(self, call: ScheduleCall) -> bool:
+        """Run a collective whose data rides in the opening with no body, when its
+        opening starts at once: True once it is parked on it; False for the body."""
+        op, fp, lane, dev = self.op, call.fp, self.lane, call.dev
+        if op is None or fp is None or dev.gone:  # (a peer left: the body's)
+            return False
+        shape = lane.shapes.get(fp)
+        if shape is None:
+            if len(lane.shapes) >= SHAPES_KEPT:
+                lane.shapes.clear()
+            shape = lane.shapes[fp] = _shape(call, fp)
+        if shape is False:
+            return False
+        mine, reach0, reach2 = shape  # type: ignore[misc]
+        args, path = call.args, call.path
+        assert path is not None  # (decoded at admission)
+        op0 = dev.array(args.addr_0, path.dtype, reach0) if reach0 else None
+        res = dev.array(args.addr_2, path.dtype, reach2) if reach2 else None
+        template = blocks.TEMPLATES.get(fp)
+        block = bytearray(template if template is not None else blocks.template(fp))
+        if mine and op0 is not None:
+            block[blocks.HEAD:blocks.HEAD + mine * op0.itemsize] = \
+                (op0 if mine == reach0 else op0[:mine]).tobytes()
+        self.begun = True
+        lane.start(op, block, None)
+        opening = op.opening
+        if op.turn is not TAKEN or opening.done:  # it waits for its turn, or failed to take it
+            return False
+        self.call, self.op0, self.res = call, op0, res
+        opening.turn = self
+        opening.waiter = self._opened
+        call.waiting = opening
+        deadline = time.monotonic() + dev.timeout
+        lane.parked[self] = deadline
+        if deadline < lane._alarm_at:
+            lane.alarm(dev.engine, dev.timeout, deadline)
+        return True
+
+    def _begin(self, call: ScheduleCall, op0: np.ndarray | None, res: np.ndarray | None,
+               inline: bool) -> None:
+        """Put our block in the lane, and our data's transfer if MPI moves it."""
+        op, fp, comm = self.op, call.fp, call.comm
+        assert op is not None and fp is not None and comm is not None
+        self.begun = True
+        mine = blocks.share(fp, comm.rank) if inline and op0 is not None else 0
+        block = blocks.opening(fp, op0[:mine] if mine and op0 is not None else None)
+        moves = None
+        if not inline and runs_natively(fp):
+            moves = transfer(self.lane.comm, fp, comm.rank, op0, res)
+        self.lane.start(op, block, moves)
+
+    def _opened(self, wait: Wait) -> None:
+        """The opening of our call with no body ended (engine context: an event):
+        settle the data and end the call, or let its body take over."""
+        call = self.call
+        assert call is not None and isinstance(wait, Opening)
+        wait.turn = self.call = None
+        call.waiting = None
+        del self.lane.parked[self]
+        opened = wait.value
+        if type(opened) is tuple and opened[1]:  # (gathered, agreed, moving): all agree
+            op0, res, comm, path = self.op0, self.res, call.comm, call.path
+            self.op0 = self.res = None
+            assert comm is not None and path is not None
+            try:
+                blocks.settle(call.fp, comm.rank, opened[0], op0, res,  # type: ignore[arg-type]
+                              path.combine)
+            except Exception:  # a bug in the model fails this call, and nothing else
+                log.exception("soft CCLO %d: internal error settling a collective",
+                              call.dev.session)
+                call.abandon()
+                call.finish(int(ErrorCode.DMA_INTERNAL_ERROR))
+                return
+            call.finish(0)
+            return
+        self.op0 = self.res = None
+        call.body = call.run()  # a verdict, a pending peer, a failure: as the body says
+        call.resume(None)
+
+    def ended(self) -> None:
+        """Our call with no body ends while its opening is in flight (its deadline, an
+        abort, a peer's failure): as the body does when that wait fails."""
+        call = self.call
+        if call is None:
+            return
+        self.call = self.op0 = self.res = None
+        self.lane.parked.pop(self, None)
+        if not call.failure and call.aborting is None:  # its deadline: it gave up
+            self.leave(call, RECEIVE_TIMEOUT, None, timed_out=True)
+        call.abandon()
 
     def run(self, call: ScheduleCall) -> Generator[Wait, Any, bool]:
         """Take our turn in the lane: the opening exchange, then (if the data did not
@@ -481,22 +695,14 @@ class LaneTurn(Collective):
         if self.op is None:
             return False
         try:
-            args, dev, comm, fp = call.args, call.dev, call.comm, call.fp
-            op, lane = self.op, self.lane
+            comm, fp = call.comm, call.fp
+            op = self.op
             assert comm is not None and op is not None and fp is not None
-            path = call.path if call.path is not None else dev.datapath(args)
-            reach = call.reach()
-            op0 = dev.array(args.addr_0, path.dtype, reach[0]) if reach[0] else None
-            res = dev.array(args.addr_2, path.dtype, reach[2]) if reach[2] else None
+            path, op0, res = _operands(call)
             inline = blocks.fits(fp)
-            if not op.issued:  # (else it took its turn while pending: the schedule runs it)
-                block = np.empty(blocks.BLOCK, np.uint8)
-                mine = blocks.share(fp, comm.rank)
-                blocks.encode(block, fp, op0[:mine] if inline and mine and op0 is not None else None)
-                moves = None
-                if not inline and runs_natively(fp):
-                    moves = transfer(lane.comm, fp, comm.rank, op0, res)
-                lane.start(op, block, moves)
+            if not op.issued and not self.begun:
+                # (else it took its turn while pending: the schedule runs it)
+                self._begin(call, op0, res, inline)
             try:
                 assert op.turn is not None  # (made when its call waits for it: see Op)
                 why = op.turn.value if op.turn.done else (yield op.turn)

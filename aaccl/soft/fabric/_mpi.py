@@ -119,8 +119,11 @@ EXIT_GRACE = 5
 _open: weakref.WeakSet[MPIFabric] = weakref.WeakSet()
 _closing = threading.Condition()  # notified as each `close` under way ends
 _closes = 0  # how many are under way (on any thread)
-_ended: str | None = None
+_ended: list[str] = []  # why a process of the job ended (`process_lost`), once one has
 _dead: dict[int, str] = {}
+
+
+_new = object.__new__
 
 
 def _payload_tag(msg_id: int) -> int:
@@ -173,7 +176,7 @@ class MPIFabric:
         # the world's collectives run as MPI collectives, on a communicator of their own
         self.lane: Lane | None = None
         if self.size > 1 and os.environ.get("AACCL_MPI_COLLECTIVES", "1") != "0":
-            self.lane = Lane(self.comm.Dup(), self.engine.post, MPIFabric.ended)
+            self.lane = Lane(self.comm.Dup(), self.engine.post, _ended)
         self.world_key = tuple(range(self.size))
         # the peers whose processes this one can watch (same kernel, same pid namespace)
         here = _machine()
@@ -287,23 +290,27 @@ class MPIFabric:
     def _poll_once(self) -> bool:
         if self.buried:  # see `_bury`
             return False
-        MPI, status = self._mpi, self._status
+        MPI, status, lane = self._mpi, self._status, self.lane
         try:
+            # the lane's collective first (the awaited call's, most often): what came
+            # before its end is taken before its end is told (`_drain`)
+            came = lane is not None and lane.poll(self._drain)
             # MPICH's Improbe matches what it has already taken in, then makes
-            # progress: a message that came during a nap is found by a second probe
-            message = (self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-                       or self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status))
+            # progress: a message that came during a nap is found by a second probe,
+            # unless the lane's test made progress just now
+            message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            if message is None and came is None:
+                message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
             if message is not None:
                 self._take(message, status)
             if self._arriving:
                 self._arrivals()
             if self._fetches:
                 self._fetched()
-            lane = self.lane is not None and self.lane.poll(self._drain)
         except MPI.Exception as error:  # a peer died mid-message: that one is lost
             self._mpi_error(error)
             return False
-        return message is not None or lane
+        return message is not None or bool(came)
 
     def _bury(self) -> None:
         """Ranks whose processes ended abnormally (`process_lost`): first take what
@@ -697,8 +704,8 @@ class MPIFabric:
         now on. `ranks`: which ranks' programs ended abnormally, and how, where that is
         known (`aaccl launch` tells): each open fabric treats them as gone (`_bury`).
         Safe in a signal handler (it takes no lock)."""
-        global _ended
-        _ended = _ended or reason
+        if not _ended:
+            _ended.append(reason)
         if ranks:
             _dead.update(ranks)
         for fabric in list(_open):
@@ -716,7 +723,7 @@ class MPIFabric:
     def ended() -> str | None:
         """Why a process of this MPI job is known to have ended (see `process_lost`),
         or None: a wait for every rank (a barrier) after that may never finish."""
-        return _ended
+        return _ended[0] if _ended else None
 
     def missing(self) -> str | None:
         """Why a peer will never come where this rank waits for every rank, or None
@@ -863,11 +870,13 @@ class MPIPort(Port):
     def collective(self, call: CollectiveCall) -> Collective | None:
         """The world's collectives take their turn in the lane (but on kernel streams:
         over messages); elsewhere, a gather's or reduce's root announces its call."""
-        comm, args = call.comm, call.args
+        comm, args, fabric = call.comm, call.args, self.fabric
         assert comm is not None
-        lane = self.lane(comm.key)
+        lane = fabric.lane if comm.key == fabric.world_key else None  # (`lane`, inline)
         if lane is not None and not args.stream_flags:
-            return LaneTurn(lane)
+            turn = _new(LaneTurn)  # (no __init__: see LaneTurn)
+            turn.lane = lane
+            return turn
         if args.scenario in _ROOT_RECEIVES and comm.size > 1 and comm.rank == args.root_src_dst:
             return _ANNOUNCE
         return None
