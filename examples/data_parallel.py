@@ -4,7 +4,7 @@ allreduced while the backward pass goes on, as PyTorch's DistributedDataParallel
 Usage::
 
     python examples/data_parallel.py [--ranks N] [--steps K] [--bucket-size 1M] ...
-    OPENBLAS_NUM_THREADS=1 aaccl launch -n 2 examples/data_parallel.py ...  # a rank per process
+    aaccl launch -n 2 examples/data_parallel.py ...  # a rank per process
 
 Every rank holds the same model (a ReLU MLP, 32-512-512-512-32 by default) and its
 shard of every global batch of a synthetic regression task (fixed seed). A training
@@ -46,8 +46,8 @@ gains nothing measurable. One rank per process (``aaccl launch``) uses both core
 and overlap pays once there are more processes than cores (a collective waits for
 every process to get a core: once per step instead of once per bucket). On an FPGA
 the CCLO, not the host, runs the collective. BLAS gets one thread
-(``OPENBLAS_NUM_THREADS=1`` unless set; under ``aaccl launch`` set it yourself:
-numpy is loaded before this script runs): one core per kernel.
+(``OPENBLAS_NUM_THREADS=1`` unless set; ``aaccl launch`` sets it to the cores per
+rank): one core per kernel.
 """
 
 from __future__ import annotations
@@ -55,9 +55,8 @@ from __future__ import annotations
 import os
 import sys
 
-# One BLAS thread per kernel. This works only before numpy is imported: under `aaccl
-# launch` it has been already (see blas_note), and the environment must say so.
-NUMPY_FIRST = "numpy" in sys.modules and "OPENBLAS_NUM_THREADS" not in os.environ
+# One BLAS thread per kernel (before numpy loads BLAS; `aaccl launch` sets it to the
+# machine's cores per rank)
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
@@ -512,16 +511,6 @@ def save_trace(results: Sequence[RankResult], steps: int, path: str) -> None:
     trace.save(path)
 
 
-def blas_note(nprocs: int) -> str | None:
-    """What to do if numpy was loaded before this script could give BLAS one thread
-    (`aaccl launch` imports numpy before it runs the program)."""
-    if not NUMPY_FIRST:
-        return None
-    return (f"note: numpy was imported before this script, so BLAS runs its default "
-            f"threads in each of the {nprocs} processes, which fight over the cores; "
-            f"run OPENBLAS_NUM_THREADS=1 aaccl launch ... for one thread per kernel")
-
-
 # -- the command line ------------------------------------------------------------------------------
 
 def parse_size(text: str) -> int:
@@ -598,9 +587,6 @@ def main(argv: list[str] | None = None) -> int:
     traced = min(len(modes), config.steps)
     if args.trace:
         save_trace(results, traced, args.trace)
-    note = blas_note(len({r.pid for r in results}))
-    if note:
-        print(note, file=sys.stderr)
     where = "one per process" if launched else f"in process, {args.backend}"
     print("\n".join(describe(config, len(results), f"{where}, soft CCLO")))
     print("\n".join(report(results, config, modes)))

@@ -156,16 +156,6 @@ def test_an_allreduce_finishes_while_the_backward_pass_goes_on() -> None:
     assert seen == {0: True, 1: True}
 
 
-def test_the_script_says_when_blas_got_its_threads_before_it(monkeypatch: pytest.MonkeyPatch
-                                                             ) -> None:
-    """`aaccl launch` imports numpy before the program: OPENBLAS_NUM_THREADS set by the
-    script then comes too late, and it says what to do."""
-    monkeypatch.setattr(dp, "NUMPY_FIRST", False)
-    assert dp.blas_note(2) is None
-    monkeypatch.setattr(dp, "NUMPY_FIRST", True)
-    assert "OPENBLAS_NUM_THREADS=1 aaccl launch" in dp.blas_note(2)
-
-
 # -- the script ------------------------------------------------------------------------------
 
 def script(*args: str) -> subprocess.CompletedProcess[str]:
