@@ -86,7 +86,8 @@ def test_two_tasks_on_one_order_are_warned_or_right_never_silently_wrong(
         results, raced = run_recording(two_tasks(duplicate, rounds), 4, backend=backend)
         assert all(results) or raced, "silently wrong: no rank warned"
         for message in raced:
-            assert "was issued by task" in message and "is still outstanding" in message
+            assert "was issued by task" in message and (
+                "is still outstanding" in message or "has ended but is not awaited" in message)
             if duplicate and "communicator 1" in message:
                 assert "communicators 0, 1 have the same members" in message
         assert len(raced) <= 4  # once per rank and message order

@@ -7,6 +7,7 @@ import functools
 import inspect
 import sys
 import threading
+import weakref
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
@@ -37,6 +38,7 @@ _COUNT_END = 2**32  # counts below it fit the CCLO's 32-bit register
 _NO_REDUCTION = object()  # `_all`'s func for the collectives that reduce nothing
 BOTH_STREAMS = OP0_STREAM | RES_STREAM
 _SEND, _RECV = Scenario.SEND, Scenario.RECV
+_weakref = weakref.ref
 _running_loop = asyncio._get_running_loop  # None outside asyncio (trio, a thread)
 
 
@@ -376,9 +378,11 @@ class ACCL:
             task = asyncio_task(loop) if loop is not None else current_task()
             order = self._orders.get(comm_id) or self._message_order(comm_id)
             last = order.last
-            if last is not None and last[1] is not task and not last[0]._settled:
-                check_race(order, self._rank, result, deps, task)
-            order.last = (device_call, task, result._name)
+            if last is not None and last[1] is not task:
+                seen = last[3]()  # (None: dropped, so settled or never to be seen)
+                if not last[0]._settled or (seen is not None and not seen._seen):
+                    check_race(order, self._rank, result, deps, task)
+            order.last = (device_call, task, result._name, _weakref(result))
         return result
 
     def _message_order(self, comm_id: int) -> Order:

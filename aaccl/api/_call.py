@@ -76,7 +76,7 @@ class Call:
 
     __slots__ = ("_name", "owner", "_device", "_lock", "_wakers", "_finished", "_error",
                  "_retrieved", "_used", "_given_up", "_deps", "_buffers", "_finish", "_on_done",
-                 "_origin", "__weakref__")
+                 "_origin", "_seen", "__weakref__")
 
     def __init__(self, name: str | tuple[str, int, int, str], owner: object, device: DeviceCall,
                  deps: tuple[Call, ...], finish: Callable[[], None] | None,
@@ -95,6 +95,8 @@ class Call:
         self._error: BaseException | None = None
         self._retrieved = False
         self._used = False  # awaited, waited, exception() read or in a waitfor: see __del__
+        self._seen = False  # its end seen by the code that made it, or it is in a waitfor
+        # (api/_tasks.py: another task's collective after it is ordered on every rank)
         self._given_up = False  # an await of it was cancelled before it finished
         self._deps = deps
         self._finish, self._on_done = finish, on_done
@@ -166,7 +168,7 @@ class Call:
         """The error of a finished call, or None (counts as retrieving it)."""
         if not self._finished:
             raise RuntimeError(f"{self.name} has not finished")
-        self._used = True
+        self._used = self._seen = True
         self._mark_retrieved()
         return self._error
 
@@ -178,6 +180,7 @@ class Call:
         self._used = True
         if not self._block(timeout):
             raise TimeoutError(f"{self.name} did not finish within {timeout} s")
+        self._seen = True
         self._mark_retrieved()
         if self._error is not None:
             raise self._error
@@ -236,6 +239,7 @@ class Call:
                     rank = getattr(self.owner, "rank", 0)
                     trace.add(rank, "host", f"await {self.name.split(' (')[0]}", began,
                               time.perf_counter_ns(), call=self.name)
+        self._seen = True
         if self._deps:
             self._mark_retrieved()
         else:

@@ -179,5 +179,5 @@ def waitfor(calls: Iterable[Any], owner: object) -> tuple[Call, ...]:
         if call.owner is not owner:
             raise ValueError(f"{call.name} belongs to another rank: a call can only wait for "
                              "calls of its own rank")
-        call._used = True  # a dependent waits for it: not a call dropped unawaited
+        call._used = call._seen = True  # a dependent waits for it: not dropped unawaited
     return out

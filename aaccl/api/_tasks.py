@@ -62,13 +62,22 @@ def task_name(task: object) -> str:
 class Order:
     """One message order of a rank: the communicators with the same members share it.
     `last`: the last collective issued on it, as (its device call, the task that
-    issued it, its Call's name); `warned`: the race on it was reported."""
+    issued it, its Call's name, a weak reference to its Call); `warned`: the race on it
+    was reported.
+
+    Another task's collective is ordered after the last one on every rank only if that
+    one's task had seen it end (awaited it) or the new one waits for it: a call that
+    already ended, unseen, may have ended on this rank before the other task issued and
+    on another rank after (trio runs a batch of ready tasks in a random order), so it
+    counts as outstanding until its end is seen (awaited, waited for, or the call is
+    in a later call's `waitfor`).
+    """
 
     __slots__ = ("comm_ids", "last", "warned")
 
     def __init__(self, comm_id: int) -> None:
         self.comm_ids = [comm_id]
-        self.last: tuple[DeviceCall, object, Any] | None = None
+        self.last: tuple[DeviceCall, object, Any, Any] | None = None
         self.warned = False
 
 
@@ -89,10 +98,10 @@ def waits_for(call: Call, target: DeviceCall) -> bool:
 def check_race(order: Order, rank: int, result: Call, deps: tuple[Call, ...],
                task: object) -> None:
     """`result`, a collective `task` issued on `order`, follows a collective another
-    task issued there that is still outstanding: warn (once per order) unless
-    `result` waits for it (`deps`: its `waitfor`)."""
+    task issued there that is still outstanding or not yet awaited: warn (once per
+    order) unless `result` waits for it (`deps`: its `waitfor`)."""
     assert order.last is not None
-    before, other, before_name = order.last
+    before, other, before_name, _ = order.last
     if order.warned:
         return
     if any(d._device is before for d in deps) or any(waits_for(d, before) for d in deps):
@@ -107,8 +116,9 @@ def check_race(order: Order, rank: int, result: Call, deps: tuple[Call, ...],
     shared = "" if len(comms) == 1 else (
         f"; communicators {', '.join(map(str, comms))} have the same members, so they "
         "share one message order")
+    state = "has ended but is not awaited yet" if before._settled else "is still outstanding"
     warn(f"rank {rank}: {result.name} was issued by {mine} while {name}, issued "
-         f"on the same message order by {theirs}, is still outstanding{shared}. "
+         f"on the same message order by {theirs}, {state}{shared}. "
          "Collectives meet in the order each rank issues them on their communicator; two "
          "tasks issuing on one may interleave differently on different ranks, and then "
          "results are silently wrong (or, on a card, the ranks deadlock). Issue them from "
