@@ -45,6 +45,13 @@ def test_a_missing_script_is_one_line_and_status_2(tmp_path: Path) -> None:
         "[Errno 2] No such file or directory"]
 
 
+def test_a_folder_with_no_main_is_one_line_and_status_1(tmp_path: Path) -> None:
+    (tmp_path / "app").mkdir()
+    done = launch("-n", "2", "app", cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == ["aaccl launch: can't find '__main__' module in 'app'"]
+
+
 @needs_mpi
 def test_a_missing_module_is_one_line_per_rank(tmp_path: Path) -> None:
     done = launch("-n", "2", "-m", "no_such_module_here", cwd=tmp_path)

@@ -54,7 +54,12 @@ def _mpi_rank_and_size() -> tuple[int, int] | None:
     environment (devices other than the soft CCLO need no MPI library)."""
     for rank, size in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
         if rank in os.environ and size in os.environ:
-            return int(os.environ[rank]), int(os.environ[size])
+            try:
+                return int(os.environ[rank]), int(os.environ[size])
+            except ValueError:
+                raise RuntimeError(
+                    f"the MPI launcher's environment is not one aaccl can read: {rank}="
+                    f"{os.environ[rank]!r}, {size}={os.environ[size]!r} (not numbers)") from None
     return None
 
 

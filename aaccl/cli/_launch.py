@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ._rank import WHOLE_LINES
+from ._rank import WHOLE_LINES, missing
 from ._statuses import Board
 
 
@@ -116,11 +116,10 @@ def _from_the_terminal() -> bool:
 def launch(nprocs: int, program: Sequence[str], hostfile: str | None = None,
            mpiexec: str | None = None, prepend_rank: bool = False) -> int:
     """Run the ranks; return the job's exit status (see `job_status`)."""
-    if hostfile is None and program[0] not in ("-m", "-c") and not os.path.exists(program[0]):
-        # what python says, once (on other machines, each rank would say it)
-        print(f"aaccl launch: can't open file {str(Path(program[0]).absolute())!r}: "
-              "[Errno 2] No such file or directory", file=sys.stderr)
-        return 2
+    cannot = None if hostfile is not None or program[0] == "-m" else missing(list(program))
+    if cannot is not None:  # what python says, once (on other machines, each rank says it)
+        print(f"aaccl launch: {cannot[0]}", file=sys.stderr)
+        return cannot[1]
     exe = find_mpiexec(mpiexec)
     cmd = command(exe, nprocs, program, hostfile, is_hydra(exe), prepend_rank)
     interrupted = False

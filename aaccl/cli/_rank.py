@@ -119,18 +119,22 @@ def thread_defaults(env: dict[str, str], cores: int) -> dict[str, str]:
 
 
 def missing(program: list[str]) -> tuple[str, int] | None:
-    """What `python` says, and its exit status, when it cannot start `program` (a
-    script that is not there, a module that does not exist); None if it can."""
-    python = Path(sys.executable).name
+    """What `python` says (after its name and a colon), and its exit status, when it
+    cannot start `program` (a script that is not there, a folder with no __main__.py,
+    a module that does not exist); None if it can."""
     if program[0] == "-m":
         try:
             found = importlib.util.find_spec(program[1]) is not None
         except (ImportError, ValueError):
             found = False
-        return None if found else (f"{python}: No module named {program[1]}", 1)
-    if program[0] == "-c" or os.path.exists(program[0]):
+        return None if found else (f"No module named {program[1]}", 1)
+    if program[0] == "-c":
         return None
-    return (f"{python}: can't open file {str(Path(program[0]).absolute())!r}: "
+    if os.path.isdir(program[0]) and not os.path.exists(os.path.join(program[0], "__main__.py")):
+        return f"can't find '__main__' module in {program[0]!r}", 1
+    if os.path.exists(program[0]):
+        return None
+    return (f"can't open file {str(Path(program[0]).absolute())!r}: "
             "[Errno 2] No such file or directory", 2)
 
 
@@ -148,7 +152,7 @@ def run(program: list[str]) -> int:
     sys.argv = list(program)
     cannot = missing(program)
     if cannot is not None:
-        print(cannot[0], file=sys.stderr)
+        print(f"{Path(sys.executable).name}: {cannot[0]}", file=sys.stderr)
         return cannot[1]
     try:
         if program[0] == "-m":
