@@ -282,16 +282,22 @@ class Call:
             message = (f"Call {self.name} was never awaited: its result may not be in "
                        "place when you read the buffer; await it, pass it in waitfor=, "
                        "or call .wait()")
-            if self._origin is None:
-                warnings.warn(message, RuntimeWarning, stacklevel=1, source=self)
-                return
-            code, offset, module = self._origin
-            # as warnings.warn would from that frame (its filters by module, its registry),
-            # but for the source line, which comes from the file when shown: a loader's
-            # get_source, tried first when given the module's globals, may raise here
-            warnings.warn_explicit(message, RuntimeWarning, code.co_filename,
-                                   _line(code, offset), module.get("__name__", "<unknown>"),
-                                   module.setdefault("__warningregistry__", {}))
+            warn_at(self._origin, message)
+
+
+
+def warn_at(origin: Origin | None, message: str) -> None:
+    """A RuntimeWarning shown at the user's line that made a call (`origin`), as
+    warnings.warn would from that frame: its module's filters and registry. The source
+    line comes from the file when shown (a loader's get_source, tried first when given
+    the module's globals, may raise here)."""
+    if origin is None:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return
+    code, offset, module = origin
+    warnings.warn_explicit(message, RuntimeWarning, code.co_filename, _line(code, offset),
+                           module.get("__name__", "<unknown>"),
+                           module.setdefault("__warningregistry__", {}))
 
 
 def _line(code: CodeType, offset: int) -> int:

@@ -22,10 +22,10 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from ..devices import DeviceCall
+from ._call import warn_at
 
 if TYPE_CHECKING:
     from ._call import Call
@@ -36,7 +36,6 @@ try:  # the running task of a loop, without a Python call (asyncio.current_task 
 except ImportError:  # pragma: no cover  (Pythons that keep it elsewhere)
     asyncio_task = asyncio.current_task
 
-_PACKAGE = __file__.rsplit("api", 1)[0]  # aaccl/, to point warnings at the user's line
 
 
 def current_task() -> object:
@@ -117,20 +116,11 @@ def check_race(order: Order, rank: int, result: Call, deps: tuple[Call, ...],
         f"; communicators {', '.join(map(str, comms))} have the same members, so they "
         "share one message order")
     state = "has ended but is not awaited yet" if before._settled else "is still outstanding"
-    warn(f"rank {rank}: {result.name} was issued by {mine} while {name}, issued "
-         f"on the same message order by {theirs}, {state}{shared}. "
-         "Collectives meet in the order each rank issues them on their communicator; two "
-         "tasks issuing on one may interleave differently on different ranks, and then "
-         "results are silently wrong (or, on a card, the ranks deadlock). Issue them from "
-         "one task, chain them (waitfor=[...]), or give each task a communicator of "
-         "different members; see docs/concepts/concurrency.md")
-
-
-def warn(message: str) -> None:
-    """A RuntimeWarning pointing at the first frame outside aaccl (the user's call)."""
-    frame = sys._getframe(0)  # (stacklevel 1)
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame = frame.f_back  # type: ignore[assignment]
-        level += 1
-    warnings.warn(message, RuntimeWarning, stacklevel=level)
+    warn_at(result._origin,  # (the user's line that made the call)
+            f"rank {rank}: {result.name} was issued by {mine} while {name}, issued on the "
+            f"same message order by {theirs}, {state}{shared}. Collectives meet in the "
+            "order each rank issues them on their communicator; two tasks issuing on one "
+            "may interleave differently on different ranks, and then results are silently "
+            "wrong (or, on a card, the ranks deadlock). Issue them from one task, chain "
+            "them (waitfor=[...]), or give each task a communicator of different members; "
+            "see docs/concepts/concurrency.md")
