@@ -381,7 +381,7 @@ class ACCL:
             if last is not None and last[1] is not task:
                 seen = last[3]()  # (None: dropped, so settled or never to be seen)
                 if not last[0]._settled or (seen is not None and not seen._seen):
-                    check_race(order, self._rank, result, deps, task)
+                    check_race(order, result, deps, task)
             order.last = (device_call, task, result._name, _weakref(result))
         return result
 

@@ -94,7 +94,16 @@ def waits_for(call: Call, target: DeviceCall) -> bool:
     return False
 
 
-def check_race(order: Order, rank: int, result: Call, deps: tuple[Call, ...],
+def unranked(name: Any) -> str:
+    """A call's name without its rank ("allreduce (call 2)"): every rank of a world in
+    one process that races says the same words, which warnings then show once."""
+    if type(name) is str:
+        return name
+    op, _, number, where = name
+    return f"{op} (call {number}{where})"
+
+
+def check_race(order: Order, result: Call, deps: tuple[Call, ...],
                task: object) -> None:
     """`result`, a collective `task` issued on `order`, follows a collective another
     task issued there that is still outstanding or not yet awaited: warn (once per
@@ -106,8 +115,6 @@ def check_race(order: Order, rank: int, result: Call, deps: tuple[Call, ...],
     if any(d._device is before for d in deps) or any(waits_for(d, before) for d in deps):
         return  # chained: issued after it on every rank
     order.warned = True
-    name = before_name if type(before_name) is str else (
-        f"{before_name[0]} (rank {before_name[1]}, call {before_name[2]}{before_name[3]})")
     comms = sorted(order.comm_ids)
     mine, theirs = task_name(task), task_name(other)
     if theirs == mine:  # (anyio names tasks by their function)
@@ -117,7 +124,8 @@ def check_race(order: Order, rank: int, result: Call, deps: tuple[Call, ...],
         "share one message order")
     state = "has ended but is not awaited yet" if before._settled else "is still outstanding"
     warn_at(result._origin,  # (the user's line that made the call)
-            f"rank {rank}: {result.name} was issued by {mine} while {name}, issued on the "
+            f"{unranked(result._name)} was issued by {mine} while {unranked(before_name)}, "
+            "issued on the "
             f"same message order by {theirs}, {state}{shared}. Collectives meet in the "
             "order each rank issues them on their communicator; two tasks issuing on one "
             "may interleave differently on different ranks, and then results are silently "
