@@ -31,7 +31,7 @@ from aaccl.cli._statuses import (
 )
 from aaccl.cli._rank import WholeLines
 
-RANK = [sys.executable, "-c", SHIM]  # each rank records its exit status
+RANK = [sys.executable, "-c", SHIM, "--whole-lines"]  # each rank: its supervisor, whole lines
 HAVE_MPI = (importlib.util.find_spec("mpi4py") is not None
             and (shutil.which("mpiexec") is not None
                  or (Path(sys.executable).parent / "mpiexec").exists()))
@@ -57,13 +57,13 @@ def test_command_for_other_launchers() -> None:
 
 
 def test_prepend_rank_passes_the_launchers_own_option() -> None:
-    """hydra's -prepend-rank, Open MPI's --tag-output; the ranks then write whole
-    lines (the launchers prefix every chunk they read)."""
+    """hydra's -prepend-rank, Open MPI's --tag-output; the ranks write whole lines
+    always (the launchers pass output on, and prefix it, chunk by chunk)."""
     assert command("mpiexec", 2, ["app.py"], None, hydra=True, prepend_rank=True) == \
         ["mpiexec", "-n", "2", "-disable-auto-cleanup", "-prepend-rank", *RANK,
-         "--whole-lines", "app.py"]
+         "app.py"]
     assert command("mpirun", 2, ["-m", "app"], None, hydra=False, prepend_rank=True) == \
-        ["mpirun", "-n", "2", "--tag-output", *RANK, "--whole-lines", "-m", "app"]
+        ["mpirun", "-n", "2", "--tag-output", *RANK, "-m", "app"]
 
 
 @pytest.mark.parametrize(("argv", "program"), [

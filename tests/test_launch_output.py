@@ -174,6 +174,23 @@ def test_the_program_starts_as_under_python_with_a_share_of_the_cores(tmp_path: 
     assert done.stdout.splitlines() == [f"False False {share} 7"] * 2
 
 
+@needs_mpi
+def test_lines_of_ranks_never_mix_even_unbuffered(tmp_path: Path) -> None:
+    """print under PYTHONUNBUFFERED (as containers often set it) writes a line's words,
+    separators and newline apart; each rank still hands the launcher whole lines."""
+    code = ("import os\n"
+            "for i in range(200):\n"
+            "    print('rank', os.environ['RANK'], 'line', i, 'x' * 40)\n")
+    done = subprocess.run([sys.executable, "-m", "aaccl", "launch", "-n", "3", "-c", code],
+                          cwd=tmp_path, env={**environment(), "PYTHONUNBUFFERED": "1"},
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                          timeout=LIMIT)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert sorted(lines) == sorted(f"rank {r} line {i} {'x' * 40}" for r in range(3)
+                                   for i in range(200))
+
+
 def test_the_supervisor_names_the_attribute_run_sets() -> None:
     from aaccl.api import _world
     from aaccl.cli import _rank

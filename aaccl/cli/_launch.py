@@ -67,12 +67,14 @@ def command(mpiexec: str, nprocs: int, program: Sequence[str], hostfile: str | N
         # normally instead. All ranks of a machine share one proxy, so MPICH moves
         # their messages through shared memory.
         cmd.append("-disable-auto-cleanup")
-    shim = [sys.executable, "-c", SHIM]
+    # The program hands the OS whole lines (see _rank.py): the launcher passes each
+    # rank's output on chunk by chunk, so lines written in pieces (print under
+    # PYTHONUNBUFFERED, as many containers set it, writes its text and its newline
+    # apart) would come out mixed with other ranks' mid-line, and hydra's -prepend-rank
+    # (Open MPI: --tag-output) prefixes each chunk, not each line.
+    shim = [sys.executable, "-c", SHIM, WHOLE_LINES]
     if prepend_rank:
-        # hydra's -prepend-rank (Open MPI: --tag-output) prefixes each chunk a rank
-        # writes, not each line: the program writes whole lines (see _rank.py)
         cmd.append("-prepend-rank" if hydra else "--tag-output")
-        shim.append(WHOLE_LINES)
     return cmd + shim + list(program)
 
 

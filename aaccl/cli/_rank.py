@@ -26,10 +26,11 @@ Once the program has exited (MPI finalized or not), the supervisor reports its e
 status to `aaccl launch` and waits until every rank of the job has ended
 (_statuses.py says why); then it exits with that status.
 
-With --whole-lines (`aaccl launch -l`), the program's stdout and stderr hand the
-OS whole lines: the launcher's rank prefix (hydra's -prepend-rank) goes at the start
-of every chunk it reads, so a line written in pieces (print under PYTHONUNBUFFERED
-writes its text and its newline apart) would get a second prefix mid-line.
+With --whole-lines (what `aaccl launch` passes), the program's stdout and stderr
+hand the OS whole lines: the launcher passes each rank's output on chunk by chunk,
+so a line written in pieces (print under PYTHONUNBUFFERED writes its text and its
+newline apart) would come out mixed mid-line with other ranks' lines, and with `-l`
+get a second rank prefix (hydra's -prepend-rank prefixes every chunk).
 """
 
 from __future__ import annotations
@@ -152,7 +153,10 @@ def run(program: list[str]) -> int:
     sys.argv = list(program)
     cannot = missing(program)
     if cannot is not None:
-        print(f"{Path(sys.executable).name}: {cannot[0]}", file=sys.stderr)
+        # one write: the ranks share the launcher's stderr, and print's text and its
+        # newline, written apart, interleave with another rank's
+        sys.stderr.write(f"{Path(sys.executable).name}: {cannot[0]}\n")
+        sys.stderr.flush()
         return cannot[1]
     try:
         if program[0] == "-m":
