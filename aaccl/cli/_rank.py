@@ -45,6 +45,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from ._statuses import PEERS_VARIABLE, Launcher
@@ -175,7 +176,7 @@ def run(program: list[str]) -> int:
         # an error aaccl.run raised in every process alike: one traceback for the job
         shown_by = getattr(exc, REPORTED_BY, None)
         if shown_by is None or str(shown_by) == _rank():
-            traceback.print_exc()
+            traceback.print_exception(type(exc), exc, _from_the_program(exc.__traceback__))
         return 1
     return 0
 
@@ -183,6 +184,15 @@ def run(program: list[str]) -> int:
 REPORTED_BY = "_aaccl_reported_by"
 """The attribute aaccl.run sets on an error it raises in every process alike: the rank
 whose process shows its traceback (aaccl.api._world's; this module imports no aaccl)."""
+
+
+def _from_the_program(tb: TracebackType | None) -> TracebackType | None:
+    """A traceback from the program's first frame on, as `python` prints it: without
+    this module's and runpy's frames, which only say how the program was started."""
+    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
+                              or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
+        tb = tb.tb_next
+    return tb
 
 
 def _rank() -> str:
