@@ -16,18 +16,27 @@ import aaccl
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
 
 
-def benchmark_module(name: str) -> ModuleType:
-    """benchmarks/NAME.py, for tests that share its code with a benchmark (loaded
-    once: the benchmarks folder is no package)."""
-    key = f"aaccl_benchmarks{name}"
+def _script_module(folder: str, name: str) -> ModuleType:
+    """FOLDER/NAME.py of this repository, loaded once (the folder is no package)."""
+    key = f"aaccl_{folder}_{name}"
     if key not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+        path = Path(__file__).resolve().parents[1] / folder / f"{name}.py"
         spec = importlib.util.spec_from_file_location(key, path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[key] = module  # dataclasses look their module up
         spec.loader.exec_module(module)
     return sys.modules[key]
+
+
+def benchmark_module(name: str) -> ModuleType:
+    """benchmarks/NAME.py, for tests that share its code with a benchmark."""
+    return _script_module("benchmarks", name)
+
+
+def example_module(name: str) -> ModuleType:
+    """examples/NAME.py, for tests of an example's pieces."""
+    return _script_module("examples", name)
 
 
 @pytest.fixture(params=["asyncio", "trio"])

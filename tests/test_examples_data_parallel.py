@@ -10,33 +10,23 @@ end to end (with its loss plot and trace) and once under `aaccl launch -n 2`.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
+from conftest import example_module
 
 import aaccl
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-dp = load("data_parallel")
+dp = example_module("data_parallel")
 OVERLAP, SEQUENTIAL = dp.OVERLAP, dp.SEQUENTIAL
 TINY = dp.Config(widths=(8, 32, 24, 4), batch=4, steps=6, lr=0.1, bucket_size=1 << 10,
                  batches=3, warmup=1)

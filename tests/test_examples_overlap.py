@@ -9,16 +9,15 @@ in process on small inputs; each script runs once end to end as a subprocess.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import io
 import subprocess
 import sys
 import threading
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
+from conftest import example_module
 
 import aaccl
 
@@ -28,16 +27,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 MIB = 1 << 20
 
 
-def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-lz4f = load("lz4_frame")
+lz4f = example_module("lz4_frame")
 decompress = lz4_frame_module.decompress
 
 
