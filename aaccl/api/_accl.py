@@ -7,8 +7,8 @@ import functools
 import inspect
 import sys
 import threading
-import weakref
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 

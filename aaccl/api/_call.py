@@ -285,7 +285,6 @@ class Call:
             warn_at(self._origin, message)
 
 
-
 def warn_at(origin: Origin | None, message: str) -> None:
     """A RuntimeWarning shown at the user's line that made a call (`origin`), as
     warnings.warn would from that frame: its module's filters and registry. The source

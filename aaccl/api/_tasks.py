@@ -37,7 +37,6 @@ except ImportError:  # pragma: no cover  (Pythons that keep it elsewhere)
     asyncio_task = asyncio.current_task
 
 
-
 def current_task() -> object:
     """The task issuing a call when no asyncio loop runs in this thread: trio's task,
     or else the thread itself (aaccl.compat: pyaccl's one thread per rank)."""
