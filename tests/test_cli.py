@@ -149,6 +149,7 @@ def test_a_program_reads_who_ended_from_its_supervisors_pipe(
     takes the abnormal ends, in words."""
     from aaccl.api import _world
 
+    assert _world.PEERS_VARIABLE == PEERS_VARIABLE  # the supervisor's name, spelled twice
     read, write = os.pipe()
     os.set_blocking(read, False)
     monkeypatch.setenv(PEERS_VARIABLE, str(read))
@@ -170,6 +171,28 @@ def test_a_program_reads_who_ended_from_its_supervisors_pipe(
     assert _world.ended_ranks() == {}
     monkeypatch.delenv(PEERS_VARIABLE)
     assert _world.ended_ranks() == {}  # not under aaccl launch
+
+
+def test_the_lost_process_handler_imports_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGUSR1 comes once per process that ends, so a second may come while the first
+    handler runs: a handler that imports could find a module half made (ImportError
+    instead of the peer's name). It only calls what listening bound beforehand."""
+    import builtins
+    import signal
+
+    from aaccl.api import _world
+
+    told: list[tuple[str, dict[int, str]]] = []
+    monkeypatch.setattr(_world, "_lost", lambda why, ended: told.append((why, ended)))
+    monkeypatch.delenv(PEERS_VARIABLE, raising=False)
+
+    def no_import(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"the signal handler imported {args[0]}")
+
+    monkeypatch.setattr(builtins, "__import__", no_import)
+    _world._process_lost(signal.SIGUSR1, None)
+    monkeypatch.undo()
+    assert told == [("a process of this MPI job ended (hydra's SIGUSR1)", {})]
 
 
 def _reported(board: Board, count: int) -> list[int]:

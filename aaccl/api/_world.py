@@ -320,11 +320,18 @@ _listening_lock = threading.Lock()
 _news = b""  # an unfinished line read from the supervisor's pipe
 
 
-def _process_lost(signum: int, frame: Any) -> None:
-    from ..soft import MPIFabric
+PEERS_VARIABLE = "AACCL_LAUNCH_PEERS_FD"
+"""Where `aaccl launch` tells a rank the pipe of its peers' ends (cli/_statuses.py,
+which the supervisor loads without aaccl, has the same name: a test holds them equal)."""
+_lost: Callable[[str, dict[int, str]], None] | None = None  # MPIFabric.process_lost
 
-    MPIFabric.process_lost("a process of this MPI job ended (hydra's SIGUSR1)",
-                           ended_ranks())
+
+def _process_lost(signum: int, frame: Any) -> None:
+    # A signal handler imports nothing: hydra sends SIGUSR1 once per process that
+    # ends, so a second one comes while the first handler may still be importing,
+    # and finds the module half made (issue 28's kill test, 1 trial in 10).
+    if _lost is not None:
+        _lost("a process of this MPI job ended (hydra's SIGUSR1)", ended_ranks())
 
 
 def ended_ranks() -> dict[int, str]:
@@ -332,8 +339,6 @@ def ended_ranks() -> dict[int, str]:
     supervisor has told it so far (under `aaccl launch`; see cli/_statuses.py):
     read from its pipe without waiting."""
     global _news
-    from ..cli._statuses import PEERS_VARIABLE
-
     fd = os.environ.get(PEERS_VARIABLE, "")
     try:  # (a process the program started inherits the variable, not the pipe)
         if not fd.isdigit() or not stat.S_ISFIFO(os.fstat(int(fd)).st_mode):
@@ -375,7 +380,10 @@ def listen_for_lost_processes() -> Callable[[], None]:
     tells it to close without waiting for peers that are gone; once none is open
     (MPI_Finalize included) it is ignored. A program's own handler is left alone, as
     is the signal in a world opened off the main thread (Python's rule)."""
-    global _worlds_listening
+    global _worlds_listening, _lost
+    from ..soft import MPIFabric
+
+    _lost = MPIFabric.process_lost  # (bound now: the handler must not import)
     main = threading.current_thread() is threading.main_thread()
     with _listening_lock:
         if main and _worlds_listening == 0 \
