@@ -776,8 +776,7 @@ class ACCL:
             and 0 <= comm_id < len(comms) else self._comm_size(comm_id)
         inputs, outputs = (size if chunked_in else 1), (size if chunked_out else 1)
         n = count if type(count) is int and 0 <= count < _COUNT_END else check.count(count)
-        s = check.buffer(sbuf, "sbuf", self, n * inputs)
-        d = check.buffer(rbuf, "rbuf", self, n * outputs)
+        s, d = check.buffers(sbuf, rbuf, self, n * inputs, n * outputs)
         dtype = s.dtype
         if d.dtype != dtype:
             check.same_dtype(sbuf=s, rbuf=d)

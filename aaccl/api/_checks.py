@@ -98,6 +98,20 @@ def buffer(buf: Any, name: str, owner: object, elements: int, cclo: bool = True)
     return buf
 
 
+def buffers(sbuf: Any, rbuf: Any, owner: object, sends: int, receives: int,
+            ) -> tuple[Buffer, Buffer]:
+    """`buffer` of a collective's sbuf and rbuf, in one call: the common case (two of
+    this rank's buffers, large enough) in one test."""
+    if type(sbuf) is Buffer and type(rbuf) is Buffer:
+        s, r = sbuf._allocation, rbuf._allocation
+        if s is not None and r is not None and s.owner is owner and r.owner is owner \
+                and sbuf._address is not None and rbuf._address is not None \
+                and sends <= sbuf.size and receives <= rbuf.size \
+                and sbuf.dtype in SUPPORTED_DTYPES and rbuf.dtype in SUPPORTED_DTYPES:
+            return sbuf, rbuf
+    return buffer(sbuf, "sbuf", owner, sends), buffer(rbuf, "rbuf", owner, receives)
+
+
 def same_dtype(**buffers: Buffer | None) -> np.dtype:
     dtypes = {name: b.dtype for name, b in buffers.items() if b is not None}
     first, *others = dtypes.values()

@@ -49,7 +49,7 @@ class SoftDevice(Device):
         self.memory = DeviceMemory()
         self._nop_done = DeviceCall(None)  # what a nop with nothing to wait for returns
         self._nop_done.complete(0)
-        self._arrays: dict[tuple[int, np.dtype, int], np.ndarray] = {}  # see `array`
+        self.views: dict[tuple[int, np.dtype, int], np.ndarray] = {}  # kept: see `array`
         self.timeout = 1.0
         self.max_eager_size = 0
         self.max_rendezvous_size = 0
@@ -58,14 +58,14 @@ class SoftDevice(Device):
         self._paths: dict[tuple[int, int, int], Datapath] = {}
         self.decoded: dict[tuple[int, ...], tuple[Comm, Datapath, Fingerprint]] = {}
         self._send_seq: dict[tuple[Hashable, int], int] = {}
-        self._queue: deque[SoftCall] = deque()  # in order: calls admitted, not ended; head runs
-        self._calls: dict[SoftCall, None] = {}  # admitted, not finished (in order)
+        self.queue: deque[SoftCall] = deque()  # in order: calls admitted, not ended; head runs
+        self.calls: dict[SoftCall, None] = {}  # admitted, not finished (in order)
         self._jobs = HostJobs(f"soft-cclo-{session}")
         self.streams = StreamPorts(self._jobs.run, self.engine.post)
         self.closed = False
         self.last: SoftCall | None = None  # the last call admitted (for `activity`)
         self.gone: dict[int, str] = {}  # peers (sessions) that left the world, and why
-        port.watch(lambda: bool(self._calls))  # (the MPI fabric naps while we have no calls)
+        port.watch(lambda: bool(self.calls))  # (the MPI fabric naps while we have no calls)
         self.gone_lane: dict[int, int] = {}  # ... and how far MPI ran their collectives
         # aborted whole: failing calls send no notices, and later ones fail at once
         self.aborted: Aborted | None = None
@@ -79,11 +79,11 @@ class SoftDevice(Device):
         """What this CCLO is doing, for a peer's error message (engine context). In
         order, where its call of the peer's collective `key` (a prefix) waits in line
         behind another call, that call: the one to look at."""
-        calls = list(self._calls)
+        calls = list(self.calls)
         if not calls:
             last = "" if self.last is None else f" (its last: {self.last.describe()})"
             return "has no call outstanding" + last
-        queue = self._queue
+        queue = self.queue
         if self.in_order and queue:
             head = queue[0]
             if key is not None:
@@ -132,7 +132,7 @@ class SoftDevice(Device):
         return self.memory.alloc(nbytes)
 
     def free(self, address: int) -> None:
-        self._arrays.clear()  # (any thread: a dict's clear is atomic)
+        self.views.clear()  # (any thread: a dict's clear is atomic)
         self.memory.free(address)
 
     def write(self, address: int, data: np.ndarray) -> None:
@@ -146,7 +146,7 @@ class SoftDevice(Device):
         recent calls are kept (a loop of small calls on the same buffers looks each
         up once), until memory is freed."""
         key = (address, dtype, count)
-        view = self._arrays.get(key)
+        view = self.views.get(key)
         if view is not None:
             return view
         if count == 0:
@@ -155,7 +155,7 @@ class SoftDevice(Device):
             view = self.memory.view(address, count * dtype.itemsize).view(dtype)
         except KeyError:
             raise CallFailed(ErrorCode.DMA_DECODE_ERROR) from None
-        arrays = self._arrays
+        arrays = self.views
         if len(arrays) >= VIEWS_KEPT:
             arrays.clear()
         arrays[key] = view
@@ -263,33 +263,21 @@ class SoftDevice(Device):
             return done
         kind = KINDS.get(args.scenario)
         call = make_call(self, args) if kind is None else kind(self, args)
-        self.engine.post(self._admit, call, tuple(waitfor))
+        self.engine.post(call.admit, tuple(waitfor))
         return call
 
-    def _admit(self, call: SoftCall, waitfor: tuple[DeviceCall, ...]) -> None:
-        if self.aborted is not None or self.closed:
-            # submitted after the abort was processed (a rank's task still ran on):
-            # nothing else would ever end it
-            call.refuse(self.aborted or DeviceError("the soft CCLO is closed"))
-            return
-        self._calls[call] = None
-        if call.args.scenario != Scenario.CONFIG:
-            self.last = call
-        if self.in_order:  # it takes its place now, ready or not, as on the firmware
-            self._queue.append(call)
-        call.admit(waitfor)
 
     def ready(self, call: SoftCall) -> None:
         """A call's dependencies are done: run it (in order: once it heads the queue,
         that is once every call admitted before it has ended)."""
-        if not self.in_order or self._queue[0] is call:
+        if not self.in_order or self.queue[0] is call:
             call.start()
 
     def finished(self, call: SoftCall, retcode: int = 0, aborted: bool = False,
                  error: Exception | None = None, detail: str | None = None) -> None:
         """A call ended (engine context): publish its return code, release the next.
         `aborted`: it never ran (a dependency failed), or `error` ended it."""
-        self._calls.pop(call, None)
+        self.calls.pop(call, None)
         if error is None and call.started:
             self.exchmem[xm.RETCODE // 4] = retcode
         if self.in_order:
@@ -304,7 +292,7 @@ class SoftDevice(Device):
         aborted before its turn); if it was the head, the next runs once ready. The
         head's wait for a peer has a deadline, so the calls behind it wait no longer
         than the calls before them take: a program that deadlocks on a card times out."""
-        queue = self._queue
+        queue = self.queue
         if queue and queue[0] is call:
             queue.popleft()
             if queue and not queue[0].deps_left:  # ready (only the head ever runs)
@@ -381,7 +369,7 @@ class SoftDevice(Device):
         self.gone[session] = reason
         self.gone_lane[session] = lane_done
         error = Aborted(f"rank {session} left the world: {reason}")
-        for call in list(self._calls):
+        for call in list(self.calls):
             if call.waiting is not None and session in call.peers_waited(call.waiting):
                 call.abort_now(error)
         # the world's collectives from there on never run (over MPI)
@@ -394,7 +382,7 @@ class SoftDevice(Device):
 
     def _abort_calls(self, handles: frozenset[DeviceCall], reason: str) -> None:
         error = Aborted(reason)
-        for call in [c for c in self._calls if c in handles]:
+        for call in [c for c in self.calls if c in handles]:
             call.abort_now(error)
 
     def abort(self, reason: str) -> None:
@@ -406,7 +394,7 @@ class SoftDevice(Device):
         # once): no notice per collective, which for thousands of calls on many
         # ranks would cost more than the abort itself
         self.aborted = error
-        for call in list(self._calls):
+        for call in list(self.calls):
             call.abort_now(error)
 
     # -- kernel streams -------------------------------------------------------------------

@@ -23,7 +23,7 @@ class CollectiveCall(SoftCall):
     """copy, combine and the collectives (copy and combine have no communicator:
     nothing of this concerns them)."""
 
-    __slots__ = ("comm", "seq", "prefix", "fp", "quiet", "way", "path")
+    __slots__ = ("comm", "seq", "prefix", "fp", "quiet", "way", "path", "met")
 
     # (declared here once: `prepare` sets them on a fast path and on the full one)
     comm: Comm | None
@@ -33,10 +33,12 @@ class CollectiveCall(SoftCall):
     path: Datapath | None
     way: Collective | None  # how its fabric takes part (None: messages)
     quiet: bool
+    met: bool  # in process: it came to its meeting, or gave its place there up
 
     def prepare(self) -> None:
         args, dev = self.args, self.dev
         self.quiet = False  # its failure came from a peer, which has told the others
+        self.met = False
         known = dev.decoded.get(args[:9])  # decoded before: a loop of the same collective
         if known is None:
             self.comm = self.prefix = self.fp = self.path = self.way = None
@@ -141,7 +143,7 @@ class CollectiveCall(SoftCall):
 
     def finish(self, retcode: int, detail: str | None = None) -> None:
         if self.prefix is not None:
-            self.dev.inbox.leave(self.prefix)
+            self.dev.inbox.members.pop(self.prefix, None)  # (its `leave`, in line)
         if self.aborting is not None:
             self._tell_peers(0, str(self.aborting))
         elif retcode or self.failure:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ... import _exchmem as xm
 from ..._constants import TAG_ANY, ErrorCode, Scenario
-from ..._errors import Aborted, ACCLError
+from ..._errors import Aborted, ACCLError, DeviceError
 from ...devices import CallArgs, DeviceCall
 from .._datapath import OPERAND_FLAGS
 from .._engine import Timer, Wait
@@ -126,7 +126,19 @@ class SoftCall(DeviceCall):
     # -- submitted ------------------------------------------------------------------
 
     def admit(self, waitfor: tuple[DeviceCall, ...]) -> None:
-        """Fix the call's place in the message order, then wait for `waitfor`."""
+        """Count the call among its CCLO's, fix its place in the message order, then
+        wait for `waitfor` (engine context: the event `SoftDevice.start` posts)."""
+        dev = self.dev
+        if dev.aborted is not None or dev.closed:
+            # submitted after the abort was processed (a rank's task still ran on):
+            # nothing else would ever end it
+            self.refuse(dev.aborted or DeviceError("the soft CCLO is closed"))
+            return
+        dev.calls[self] = None
+        if self.args.scenario != Scenario.CONFIG:
+            dev.last = self
+        if dev.in_order:  # it takes its place now, ready or not, as on the firmware
+            dev.queue.append(self)
         try:
             self.prepare()
         except CallFailed as failed:

@@ -126,7 +126,8 @@ class Inbox:
         self._step_waits: dict[tuple[int, Key], StepWait] = {}
         self._coll_seq: dict[Hashable, int] = {}  # per communicator: the next collective's seq
         self._gave_up: dict[Key, None] = {}  # the last GAVE_UP_KEPT collectives that failed here
-        self._members: dict[Key, _Member] = {}  # our running collectives, by prefix
+        # our running collectives, by prefix (one ends: `leave`, or its pop in line)
+        self.members: dict[Key, _Member] = {}
         self._seen: dict[Key, tuple[int, Fingerprint]] = {}  # before we joined
         self._failed: dict[Key, Failure] = {}  # notices for collectives we have not joined
         # a peer's message of a collective whose call here ended well (see `deliver`)
@@ -332,7 +333,7 @@ class Inbox:
 
     def _ended(self, prefix: Key) -> bool:
         """Our call of collective `prefix` was admitted and is no longer running."""
-        return prefix[2] < self._coll_seq.get(prefix[1], 0) and prefix not in self._members
+        return prefix[2] < self._coll_seq.get(prefix[1], 0) and prefix not in self.members
 
     def join(self, prefix: Key, session: int, fp: Fingerprint,
              fail: Callable[[int, str, bool], None]) -> tuple[int, str, bool] | None:
@@ -347,17 +348,17 @@ class Inbox:
         if seen is not None and seen[1] != fp:
             self._give_up(prefix)
             return (*mismatch(fp, seen[1], session, seen[0]), False)
-        self._members[prefix] = (session, fp, fail)
+        self.members[prefix] = (session, fp, fail)
         return None
 
     def leave(self, prefix: Key) -> None:
         """Our call of `prefix` ended."""
-        self._members.pop(prefix, None)
+        self.members.pop(prefix, None)
 
     def _check(self, msg: Message, prefix: Key) -> None:
         """Check a message of collective `prefix` (not ended here) against our call
         of it, or keep its call for ours to check when it comes."""
-        member = self._members.get(prefix)
+        member = self.members.get(prefix)
         if member is None:
             if msg.fp is not None and prefix not in self._seen:
                 self._seen[prefix] = (msg.src, msg.fp)
@@ -372,7 +373,7 @@ class Inbox:
         assert msg.notice is not None
         prefix = ("coll",) + msg.key[1:3]
         code, why = msg.notice
-        member = self._members.pop(prefix, None)
+        member = self.members.pop(prefix, None)
         self._seen.pop(prefix, None)
         if member is not None:
             member[2](code, why, True)
@@ -401,7 +402,7 @@ class Inbox:
         """Our call of a collective (steps keyed `prefix + (scenario, tag)`) failed or
         never ran: it ends here, and its eager messages' rx buffers are freed, now
         and as they arrive."""
-        self._members.pop(prefix, None)
+        self.members.pop(prefix, None)
         self._seen.pop(prefix, None)
         self._failed.pop(prefix, None)
         self._give_up(prefix)

@@ -212,22 +212,29 @@ class _RollCall(Collective):
 class _Meet(_RollCall):
     """A small allreduce meets its peers in shared memory (`Meeting`): the last to
     come computes everyone's result and ends their calls, and no message is sent.
-    The roll call has compared the calls already: the meeting compares nothing."""
+    The roll call has compared the calls already: the meeting compares nothing.
+    One per port, for all its calls (what a call did is the call's: `call.met`), so
+    the same arguments decode to it once (`SoftDevice.remember`)."""
 
-    __slots__ = ("met",)  # it came to the meeting, or left it
+    __slots__ = ()
 
     def start(self, call: ScheduleCall) -> bool:
         args, dev, comm, prefix = call.args, call.dev, call.comm, call.prefix
         assert comm is not None and prefix is not None and call.path is not None
-        path = call.path
-        src = dev.array(args.addr_0, path.dtype, args.count)
-        dst = dev.array(args.addr_2, path.dtype, args.count)
+        dtype, count = call.path.dtype, args.count
+        views = dev.views  # (looked up here: a loop of small calls finds them kept)
+        src = views.get((args.addr_0, dtype, count))
+        if src is None:
+            src = dev.array(args.addr_0, dtype, count)
+        dst = views.get((args.addr_2, dtype, count))
+        if dst is None:
+            dst = dev.array(args.addr_2, dtype, count)
         meetings = self.port.fabric.meetings
         meeting = meetings.get(prefix)
         if meeting is None:
             meeting = meetings[prefix] = Meeting(comm.size, meetings, prefix)
-        self.met = True
-        meeting.arrive(call, comm.rank, src, dst, path)
+        call.met = True
+        meeting.arrive(call, comm.rank, src, dst, call.path)
         if dev.gone and call.waiting is not None:  # waits for a rank that left the world?
             gone = [comm.sessions[r] for r in call.waiting.missing()  # type: ignore[attr-defined]
                     if comm.sessions[r] in dev.gone]
@@ -237,8 +244,8 @@ class _Meet(_RollCall):
         return True
 
     def abandon(self, call: CollectiveCall) -> None:
-        if not self.met:  # the others must not wait for us
-            self.met = True
+        if not call.met:  # the others must not wait for us
+            call.met = True
             assert call.comm is not None
             self.port.meeting(call.prefix, call.comm.size).leave(call.comm.rank, False)
 
@@ -250,6 +257,8 @@ class InProcessPort(Port):
         self.inbox = fabric.inboxes[session]
         self._roll = _RollCall()
         self._roll.port = self
+        self._meet = _Meet()
+        self._meet.port = self
 
     def post(self, dst: int, msg: Message, timeout_code: int) -> Wait | None:
         inbox = self.fabric.inboxes[dst]
@@ -278,9 +287,7 @@ class InProcessPort(Port):
             return None
         if args.scenario == Scenario.ALLREDUCE and args.count <= SMALL_ALLREDUCE_COUNT \
                 and not args.compression_flags:
-            meet = _Meet()
-            meet.port, meet.met = self, False
-            return meet
+            return self._meet
         return self._roll
 
     def skip(self, comm: Comm, prefix: Key, reason: str) -> None:
