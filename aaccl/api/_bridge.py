@@ -13,6 +13,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from ..devices._base import Poller
 
@@ -20,6 +21,12 @@ Register = Callable[[Callable[[], None]], bool]
 """Registers `wake`; returns False (and never calls it) if the event already happened."""
 Forget = Callable[[Callable[[], None]], None]
 """Unregisters `wake`: its task stopped waiting (cancelled)."""
+
+
+class Finishes(Protocol):
+    """What a wait is for (the API's Call): `_finished` turns True when it happened."""
+
+    _finished: bool
 
 SPIN_FOR = 50e-6
 """Seconds a task spins on its poller (polls with no turn of the event loop between
@@ -41,7 +48,7 @@ _next_turn = 0.0  # (monotonic) when a polling task next lets the loop turn
 
 
 async def wait(register: Register, poller: Poller | None = None,
-               forget: Forget | None = None) -> None:
+               forget: Forget | None = None, call: Finishes | None = None) -> None:
     """Suspend the current task until the registered `wake` is called from any thread;
     with a `poller`, poll it for a while first: for up to SPIN_FOR without a turn of
     the event loop, then with one between polls, up to POLL_FOR in all. If the task
@@ -49,13 +56,30 @@ async def wait(register: Register, poller: Poller | None = None,
     timeouts add none).
 
     On asyncio (inline here: a small call's wait is on the path of every call) the
-    loop's future is only made if the task suspends for good (it parks)."""
+    loop's future is only made if the task suspends for good (it parks). With `call`
+    (whose `_finished` says that the event happened), the spin comes first, before
+    `wake` is made and registered: a call that a poll of the spin completes (a small
+    collective over MPI) costs no waker at all."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         await _wait_trio(register, poller, forget)
         return
     global _next_turn
+    began = 0.0
+    if call is not None and poller is not None:
+        began = time.monotonic()
+        spin_until = began + SPIN_FOR
+        while True:
+            poller.poll()
+            if call._finished:
+                if time.monotonic() >= _next_turn:
+                    await asyncio.sleep(0)
+                    _next_turn = time.monotonic() + TURN_EVERY
+                return
+            now = time.monotonic()
+            if now >= spin_until or now >= _next_turn:
+                break  # (what is left of the wait goes the general way, below)
     home = threading.get_ident()
     woke = False
     future: asyncio.Future[None] | None = None
@@ -78,7 +102,8 @@ async def wait(register: Register, poller: Poller | None = None,
     try:
         if poller is not None:
             now = time.monotonic()
-            spin_until, until = now + SPIN_FOR, now + POLL_FOR
+            began = began or now  # (counted from the spin before `register`, if any)
+            spin_until, until = began + SPIN_FOR, began + POLL_FOR
             while True:
                 poller.poll()
                 if woke:

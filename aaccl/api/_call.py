@@ -230,7 +230,8 @@ class Call:
                             self._forget(future)
                             raise
                 else:
-                    yield from _bridge.wait(self._register, poller, self._forget).__await__()
+                    yield from _bridge.wait(self._register, poller, self._forget,
+                                            self).__await__()
             except BaseException:
                 self._given_up = not self._finished  # cancelled: see ACCL._settle
                 raise

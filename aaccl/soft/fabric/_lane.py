@@ -177,7 +177,7 @@ class Lane:
         # by fingerprint, for a collective whose data rides in the opening: how many
         # elements this rank puts in its block, and how far the call reaches into its
         # operand and result (False: the data does not ride in it); see LaneTurn.start
-        self.shapes: dict[Fingerprint, tuple[int, int, int] | bool] = {}
+        self.shapes: dict[Fingerprint, Shape | bool] = {}
         # engine context: the calls parked on their openings (LaneTurn.start), by
         # deadline, and the one engine timer that looks at them (`alarm`, `_look`)
         self.parked: dict[LaneTurn, float] = {}
@@ -231,6 +231,29 @@ class Lane:
                     op.turn = Turn()  # its call waits for it: set by an event
         if events:
             self._emit(events)
+
+    def begin(self, op: Op, block: bytearray) -> None:
+        """`start` for a call with no transfer whose op is the lane's only one queued
+        and nothing holds the lane back (the common small collective): its opening
+        starts at once, here, and its turn is over (TAKEN). Anything else goes the
+        general way (`start`). Engine context."""
+        with self._lock:
+            queue = self._queue
+            if (self._opening is None and not self.stuck and len(queue) == 1
+                    and queue[0] is op and op.block is None and op.turn is None
+                    and self._dead_from is None and not self._ended):
+                gathered = bytearray(self.size * BLOCK)
+                try:
+                    request = self.comm.Iallgather(block, gathered)
+                except Exception:  # MPI failed (a peer died): as `_pump` says
+                    pass
+                else:
+                    queue.popleft()
+                    op.block, op.gathered, op.issued, op.turn = block, gathered, True, TAKEN
+                    self._opening = (request, op)
+                    self._spin_until = time.monotonic() + OPENING_SPIN
+                    return
+        self.start(op, block, None)
 
     def alarm(self, engine: Engine, timeout: float, deadline: float) -> None:
         """Set the alarm for `deadline`, `timeout` seconds from now, which comes
@@ -547,15 +570,27 @@ def _operands(call: ScheduleCall) -> tuple[Datapath, np.ndarray | None, np.ndarr
     return path, op0, res
 
 
-def _shape(call: ScheduleCall, fp: Fingerprint) -> tuple[int, int, int] | bool:
+Fold = tuple[np.dtype, int, int, Callable[..., Any]]
+"""How an allreduce whose data rides in the opening settles (`_shape`): the rows of
+the gathered blocks (dtype, count, ranks) folded with a ufunc, in rank order."""
+Shape = tuple[int, int, int, Fold | None]
+
+
+def _shape(call: ScheduleCall, fp: Fingerprint) -> Shape | bool:
     """For `Lane.shapes`: (elements this rank puts in its block, reach into the
-    operand, reach into the result) if the call's data rides in its opening."""
+    operand, reach into the result, and for an allreduce that the datapath adds in
+    its own type the fold that settles it) if the call's data rides in its opening."""
     if not blocks.fits(fp):
         return False
-    comm = call.comm
+    comm, path = call.comm, call.path
     assert comm is not None
     reach = call.reach()
-    return blocks.share(fp, comm.rank) if reach[0] else 0, reach[0], reach[2]
+    fold: Fold | None = None
+    scenario, count, dtype, _, _, _, size = fp
+    if scenario == Scenario.ALLREDUCE and count and reach[2] == count and path is not None \
+            and path.dtype == path.arith == np.dtype(dtype):  # (`Datapath.combine`'s case)
+        fold = (path.arith, count, size, path.ufunc)
+    return blocks.share(fp, comm.rank) if reach[0] else 0, reach[0], reach[2], fold
 
 
 class LaneTurn(Collective):
@@ -570,7 +605,7 @@ class LaneTurn(Collective):
     call (`_opened`); anything else that ending brings (a verdict, a pending peer)
     is left to the body after all."""
 
-    __slots__ = ("lane", "op", "index", "begun", "call", "op0", "res")
+    __slots__ = ("lane", "op", "index", "begun", "call", "op0", "res", "fold")
 
     # (no __init__, one call less per call: `MPIPort.collective` sets `lane`, then
     # `join` or `reject` the rest)
@@ -581,10 +616,17 @@ class LaneTurn(Collective):
     call: ScheduleCall | None  # parked on its opening, with no body
     op0: np.ndarray | None  # ... and its operand and result
     res: np.ndarray | None
+    fold: Fold | None  # ... and how it settles, if an allreduce (`_shape`)
 
     def join(self, call: CollectiveCall) -> tuple[int, str] | None:
-        lane = self.lane  # (`Lane.admit`, inline: on every collective's path)
-        self.op = op = Op(lane._admitted, call.fp)  # (its fingerprint: see Lane._pump)
+        lane = self.lane  # (`Lane.admit` and `Op.__init__`, inline: on every collective's path)
+        self.op = op = _new(Op)
+        op.index, op.fp = lane._admitted, call.fp  # (its fingerprint: see Lane._pump)
+        op.block = op.transfer = op.turn = op.moved = op.gathered = None
+        op.issued = op.finished = False
+        op.opening = opening = _new(Opening)
+        opening.done, opening.value, opening.waiter = False, None, None
+        opening.timeout_code, opening.turn = RECEIVE_TIMEOUT, None
         self.index, self.begun, self.call, self.op0, self.res = \
             lane._admitted, False, None, None, None
         lane._admitted += 1
@@ -611,7 +653,7 @@ class LaneTurn(Collective):
             shape = lane.shapes[fp] = _shape(call, fp)
         if shape is False:
             return False
-        mine, reach0, reach2 = shape  # type: ignore[misc]
+        mine, reach0, reach2, fold = shape  # type: ignore[misc]
         args, path = call.args, call.path
         assert path is not None  # (decoded at admission)
         op0 = dev.array(args.addr_0, path.dtype, reach0) if reach0 else None
@@ -622,11 +664,11 @@ class LaneTurn(Collective):
             block[blocks.HEAD:blocks.HEAD + mine * op0.itemsize] = \
                 (op0 if mine == reach0 else op0[:mine]).tobytes()
         self.begun = True
-        lane.start(op, block, None)
+        lane.begin(op, block)
         opening = op.opening
         if op.turn is not TAKEN or opening.done:  # it waits for its turn, or failed to take it
             return False
-        self.call, self.op0, self.res = call, op0, res
+        self.call, self.op0, self.res, self.fold = call, op0, res, fold
         opening.turn = self
         opening.waiter = self._opened
         call.waiting = opening
@@ -659,12 +701,20 @@ class LaneTurn(Collective):
         del self.lane.parked[self]
         opened = wait.value
         if type(opened) is tuple and opened[1]:  # (gathered, agreed, moving): all agree
-            op0, res, comm, path = self.op0, self.res, call.comm, call.path
+            op0, res, comm, path, fold = self.op0, self.res, call.comm, call.path, self.fold
             self.op0 = self.res = None
             assert comm is not None and path is not None
             try:
-                blocks.settle(call.fp, comm.rank, opened[0], op0, res,  # type: ignore[arg-type]
-                              path.combine)
+                if fold is not None:  # an allreduce: `blocks.settle`'s, inline
+                    dtype, count, size, ufunc = fold
+                    parts = np.ndarray((size, count), dtype, opened[0], blocks.HEAD,
+                                       (BLOCK, dtype.itemsize))
+                    ufunc(parts[0], parts[1], out=res)
+                    for k in range(2, size):
+                        ufunc(res, parts[k], out=res)
+                else:
+                    blocks.settle(call.fp, comm.rank, opened[0], op0,  # type: ignore[arg-type]
+                                  res, path.combine)
             except Exception:  # a bug in the model fails this call, and nothing else
                 log.exception("soft CCLO %d: internal error settling a collective",
                               call.dev.session)
