@@ -32,10 +32,11 @@ buffers checked in one call; 72.75 after issue 28's lean path (139.75 to 140.08 
 NOP_BUDGET = 7
 """Python calls for one `await accl.nop()` (7 once a nop with nothing to wait for skips
 `_submit`; 8 after issue 28's lean path; 24 at 71edb87)."""
-MPI_ALLREDUCE_BUDGET = 47
+MPI_ALLREDUCE_BUDGET = 44
 """Python calls per rank for one 1-element float32 allreduce over MPI (2 processes,
 device-resident buffers), the polls that find nothing not counted: tests/mpi/budget.py
-(46.12 once the lane starts a lone opening in Lane.begin, an allreduce settles with
+(43.12 with the in-process path's admission in one event and two buffers checked in
+one call; 46.12 once the lane starts a lone opening in Lane.begin, an allreduce settles with
 its fold, and the awaiting task spins before it registers a waker; 52.10 on every run
 once a small collective runs with no body, parked on its opening,
 under one alarm per lane; 74.11 after issue 28's lean path; 131.09 with the lean lane
