@@ -383,3 +383,45 @@ def test_wait_for_then_leaving_takes_no_timeout_over_mpi(tmp_path) -> None:
     took = [float(t) for t in re.findall(r"took=(\d+\.\d+)", proc.stdout)]  # two ranks
     assert len(took) == 2 and max(took) < 1 + FAST, proc.stdout
     assert "['done', 'gave up']" in proc.stdout
+
+
+def _blocked_signals(native_id: int) -> set[int]:
+    """The signals thread `native_id` of this process blocks (Linux: its SigBlk)."""
+    with open(f"/proc/self/task/{native_id}/status") as status:
+        mask = int(next(line for line in status if line.startswith("SigBlk:")).split()[1], 16)
+    return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_aaccls_threads_leave_process_signals_to_the_main_thread() -> None:
+    """A Ctrl-C the kernel gives a helper thread never wakes an event loop asleep in
+    select() (Python runs handlers in the main thread only): under asyncio it waited
+    for the call's timeout, 1 run in about 60 on a loaded machine. Every thread
+    aaccl starts or works on blocks the process's signals, so the main one takes
+    them: the timers, the data workers, the host-job workers, anyio's workers."""
+    import threading
+
+    from aaccl._threads import SIGNALS
+
+    async def main() -> dict[str, set[int]]:
+        async with aaccl.open_world(2, timeout=30) as accls:
+            big = [(a.allocate(1 << 19), a.allocate(1 << 19)) for a in accls]  # 2 MiB
+            for a, (s, _) in zip(accls, big):
+                s[:] = a.rank
+            calls = [a.allreduce(s, d, 1 << 19, ReduceFunction.SUM)  # data workers
+                     for a, (s, d) in zip(accls, big)]
+            calls.append(accls[1].recv(accls[1].allocate(4), 4, 0))  # a deadline: timers
+            calls.append(accls[0].send(accls[0].allocate(4), 4, 1))
+            for call in calls:
+                await call
+            out = accls[0].allocate(4)
+            await accls[0].kernel(lambda x: x)(out)  # a host-job worker
+            return {t.name: _blocked_signals(t.native_id)  # type: ignore[arg-type]
+                    for t in threading.enumerate() if t is not threading.main_thread()}
+
+    masks = anyio.run(main)
+    assert any(name.startswith("soft-cclo-timers") for name in masks), masks
+    assert any(name.startswith("soft-cclo-data") for name in masks), masks
+    for name, blocked in masks.items():
+        assert set(SIGNALS) <= blocked, f"thread {name} takes process signals"
+    assert not set(SIGNALS) & _blocked_signals(threading.main_thread().native_id)  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ import numpy as np
 from .. import _trace
 from .._constants import GLOBAL_COMM, TAG_ANY, ReduceFunction, Scenario, StreamFlags
 from .._errors import DependencyError
+from .._threads import quietly
 from ..devices import Device, DeviceCall
 from ..driver import Driver
 from . import _bridge
@@ -185,7 +186,7 @@ class ACCL:
     @classmethod
     async def open(cls, driver: Driver) -> ACCL:
         """Configure the driver's CCLO (off the event loop) and return its ACCL."""
-        await anyio.to_thread.run_sync(driver.configure)
+        await anyio.to_thread.run_sync(quietly(driver.configure))
         return cls(driver)
 
     @property
@@ -216,7 +217,7 @@ class ACCL:
         self._closed = True
         with anyio.CancelScope(shield=True):
             await self._settle()
-            await anyio.to_thread.run_sync(self._driver.close)
+            await anyio.to_thread.run_sync(quietly(self._driver.close))
 
     # -- lifecycle: what aaccl's worlds (`open_world`, `run`), its test runner
     # (aaccl.testing) and its pyaccl layer (aaccl.compat) do with a rank beyond the

@@ -23,6 +23,7 @@ import anyio
 from .. import _exchmem as xm
 from .._errors import Aborted, ACCLError, RankErrors, RemoteError, same_error
 from .._ranks import ranges
+from .._threads import quietly
 from ..devices import Device
 from ..devices._emulator import DEFAULT_PORT, EmulatorDevice
 from ..driver import STACKS, Driver, check_buffers
@@ -264,7 +265,7 @@ async def _device_world(world_size: int | None, make: Callable[[int], Device], n
 
     async def open_rank(rank: int) -> None:
         try:
-            dev = await anyio.to_thread.run_sync(make, rank)
+            dev = await anyio.to_thread.run_sync(quietly(make), rank)
             opened[rank] = await _open(dev, rank, ranks, nbufs, bufsize, timeout, stack)
         except Exception as error:
             failed[rank] = error
@@ -439,7 +440,7 @@ async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: 
         finally:
             with anyio.CancelScope(shield=True):
                 # a world left by an error or Ctrl-C waits for its peers up to the timeout
-                await anyio.to_thread.run_sync(fabric.close, wait)
+                await anyio.to_thread.run_sync(quietly(fabric.close), wait)
     finally:
         stop_listening()
 

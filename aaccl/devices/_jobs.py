@@ -12,6 +12,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from .. import _threads
 from .._errors import DeviceError
 from ._base import DeviceCall
 from ._hostdeps import start_after
@@ -80,7 +81,7 @@ class HostJobs:
             call.complete(error=DeviceError("the device is closed"))
             return
         # daemon: a kernel still blocked when the interpreter exits must not hold it up
-        threading.Thread(target=self._work, name=self._name, daemon=True).start()
+        _threads.start(self._work, self._name)
 
     def _work(self) -> None:
         local = self._local

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from .. import _exchmem as xm
+from .. import _threads
 from .._constants import ConfigFunction, ErrorCode, Scenario
 from .._errors import DeviceError
 from ._base import CallArgs, Device, DeviceCall, joined
@@ -113,9 +114,7 @@ class PynqDevice(Device):
         self._call_timeout = 10.0
         self._closed = False
         self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True,
-                                        name=f"aaccl-pynq-{device_index}.{cclo_index}")
-        self._thread.start()
+        self._thread = _threads.start(self._watch, f"aaccl-pynq-{device_index}.{cclo_index}")
         self._jobs = HostJobs(f"aaccl-pynq-{device_index}.{cclo_index}-jobs")
 
     # -- exchange memory ----------------------------------------------------------------

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import _exchmem as xm
+from .. import _threads
 from .._constants import ConfigFunction, ErrorCode, Scenario
 from .._errors import DeviceError, DeviceStuck
 from ._base import CallArgs, Device, DeviceCall
@@ -65,8 +66,7 @@ class SerialDevice(Device):
         # _submit); reentrant: queueing on a closed device completes the call at once
         self._turns: dict[DeviceCall, bool] = {}
         self._turns_lock = threading.RLock()
-        self._runner = threading.Thread(target=self._run_calls, daemon=True, name=name)
-        self._runner.start()
+        self._runner = _threads.start(self._run_calls, name)
         self._jobs = HostJobs(f"{name}-jobs")
 
     # -- what a subclass provides ---------------------------------------------------------

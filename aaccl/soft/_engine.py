@@ -24,6 +24,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from .. import _threads
+
 log = logging.getLogger("aaccl")
 
 Event = Callable[..., None]
@@ -219,9 +221,7 @@ class Engine:
         """Run `fn` in engine context once `delay` seconds have passed, unless the
         returned timer is cancelled first (engine context)."""
         if self._timer_thread is None and not self.closed:
-            self._timer_thread = threading.Thread(target=self._watch, daemon=True,
-                                                  name=f"soft-cclo-timers-{self.name}")
-            self._timer_thread.start()
+            self._timer_thread = _threads.start(self._watch, f"soft-cclo-timers-{self.name}")
         return self._timers.arm(delay, fn)
 
     def _watch(self) -> None:
@@ -270,7 +270,8 @@ class Engine:
         wait = Wait()
         if self._workers is None:
             self._workers = ThreadPoolExecutor(DATA_WORKERS,
-                                               thread_name_prefix=f"soft-cclo-data-{self.name}")
+                                               thread_name_prefix=f"soft-cclo-data-{self.name}",
+                                               initializer=_threads.leave_signals)
 
         def run() -> None:
             error: BaseException | None = None

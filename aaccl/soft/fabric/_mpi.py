@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ... import _threads
 from ..._constants import Scenario
 from ..._errors import Aborted
 from .._engine import Engine, Wait
@@ -186,9 +187,7 @@ class MPIFabric:
         self._next_look = 0.0  # when `missing` next reads their pids
         _open.add(self)
         _exit_last()
-        self._thread = threading.Thread(target=self._progress, name=f"aaccl-mpi-{self.rank}",
-                                        daemon=True)
-        self._thread.start()
+        self._thread = _threads.start(self._progress, f"aaccl-mpi-{self.rank}")
 
     def port(self, session: int) -> MPIPort:
         assert session == self.rank
