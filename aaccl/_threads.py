@@ -7,13 +7,17 @@ signal lands on another thread, a main thread asleep in `select()` (an event loo
 waiting for a call) goes on sleeping until something else wakes it. Under asyncio a
 Ctrl-C then waited for the call's timeout (trio is immune: its wakeup file
 descriptor wakes it whatever thread took the signal). So every thread aaccl starts
-blocks those signals from its first instruction, and the kernel always picks the
-main thread.
+blocks those signals from its first instruction, and the kernel picks the main
+thread over them. Threads aaccl does not start take signals all the same (numpy's
+OpenBLAS pool, a user's): while a world is open on asyncio, a signal any thread
+takes also writes to a socket the loop watches (`signals_wake_loop`), as trio's does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -68,3 +72,54 @@ def quietly(fn: Callable[..., T]) -> Callable[..., T]:
         leave_signals()
         return fn(*args)
     return run
+
+
+@contextmanager
+def signals_wake_loop() -> Iterator[None]:
+    """Meanwhile, a process signal wakes the running asyncio loop of the main thread,
+    whichever thread took it, so that Python's handler runs at once (Ctrl-C cancels
+    the program's main task). Through Python's wakeup file descriptor, where nobody
+    set one (asyncio's `add_signal_handler` and trio set theirs: they wake already)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not asyncio (trio has its own)
+        loop = None
+    if loop is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    reader, writer = socket.socketpair()
+    reader.setblocking(False)
+    writer.setblocking(False)
+    try:
+        loop.add_reader(reader.fileno(), _drain, reader)
+        watched = True
+    except NotImplementedError:  # a loop without readers (Windows' proactor)
+        watched = False
+    previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False) \
+        if watched else 0
+    if previous != -1:  # someone's, or none to watch: leave it as it was
+        if watched:
+            signal.set_wakeup_fd(previous)
+            loop.remove_reader(reader.fileno())
+        reader.close()
+        writer.close()
+        yield
+        return
+    try:
+        yield
+    finally:
+        current = signal.set_wakeup_fd(-1)
+        if current != writer.fileno():  # someone set theirs since: theirs stays
+            signal.set_wakeup_fd(current)
+        loop.remove_reader(reader.fileno())
+        reader.close()
+        writer.close()
+
+
+def _drain(reader: socket.socket) -> None:
+    """The loop woke for a signal: Python has run its handler; take the bytes."""
+    try:
+        while reader.recv(4096):
+            pass
+    except (BlockingIOError, InterruptedError):
+        pass

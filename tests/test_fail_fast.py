@@ -209,19 +209,22 @@ async def test_after_a_rejected_collective_every_result_is_right_or_an_error(
 # -- world aborts ----------------------------------------------------------------------------
 
 
-def run_script(body: str, *, signal_after: str | None = None,
+def run_script(body: str, *, signal_after: str | None = None, timed_from: str | None = None,
                backend: str = "asyncio") -> tuple[int, str, float]:
     """Run a program in a fresh process; (exit code, stderr, seconds). With
-    `signal_after`, send SIGINT once the program printed that line."""
+    `signal_after`, send SIGINT once the program printed that line; the seconds
+    count from then, or from the line `timed_from`."""
     source = textwrap.dedent(body).replace("BACKEND", repr(backend))
     start = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-c", source], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    if signal_after is not None:
+    mark = signal_after or timed_from
+    if mark is not None:
         assert proc.stdout is not None
-        while proc.stdout.readline().strip() != signal_after:
+        while proc.stdout.readline().strip() != mark:
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         start = time.monotonic()
+    if signal_after is not None:
         proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     return proc.returncode, err, time.monotonic() - start
@@ -425,3 +428,35 @@ def test_aaccls_threads_leave_process_signals_to_the_main_thread() -> None:
     for name, blocked in masks.items():
         assert set(SIGNALS) <= blocked, f"thread {name} takes process signals"
     assert not set(SIGNALS) & _blocked_signals(threading.main_thread().native_id)  # type: ignore[arg-type]
+
+
+TAKEN_BY_ANOTHER_THREAD = """
+    import aaccl, anyio, signal, sys, threading, time
+    async def main(accl):
+        b = accl.allocate(4)
+        if accl.rank == 1:
+            stop = threading.Event()  # a thread of the program's own, that takes signals
+            other = threading.Thread(target=stop.wait, daemon=True)
+            other.start()
+            async def interrupt():
+                await anyio.sleep(0)  # once the receive waits
+                print("interrupting", flush=True)
+                signal.pthread_kill(other.ident, signal.SIGINT)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(interrupt)
+                await accl.recv(b, 4, 0, tag=1)
+        else:
+            await anyio.sleep(3600)
+    aaccl.run(main, 2, backend=BACKEND, timeout=30)
+"""
+"""Rank 1 waits for a message that never comes; a Ctrl-C lands on a thread that is
+not the main one (as the kernel may give a process's signal to any thread that does
+not block it: numpy's OpenBLAS pool's, a program's own)."""
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_ctrl_c_taken_by_another_thread_still_ends_the_program_at_once(backend: str) -> None:
+    code, err, took = run_script(TAKEN_BY_ANOTHER_THREAD, timed_from="interrupting",
+                                 backend=backend)
+    assert "KeyboardInterrupt" in err or code == -signal.SIGINT, err
+    assert took < FAST, f"took {took:.1f} s: the loop slept through the signal"

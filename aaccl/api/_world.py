@@ -23,7 +23,7 @@ import anyio
 from .. import _exchmem as xm
 from .._errors import Aborted, ACCLError, RankErrors, RemoteError, same_error
 from .._ranks import ranges
-from .._threads import quietly
+from .._threads import quietly, signals_wake_loop
 from ..devices import Device
 from ..devices._emulator import DEFAULT_PORT, EmulatorDevice
 from ..driver import STACKS, Driver, check_buffers
@@ -185,6 +185,19 @@ async def open_world(world_size: int | None = None, *, device: str = "soft",
     """
     check_options(world_size, device, fabric, nbufs, bufsize, timeout, in_order)
     stack = _stack(stack, device, emulator_protocol)
+    with signals_wake_loop():  # (a Ctrl-C any thread takes wakes the loop: _threads.py)
+        async with _world(world_size, device, fabric, nbufs, bufsize, timeout, in_order,
+                          stack, emulator_port, xclbin, board_idx, cclo_idx,
+                          addresses) as accls:
+            yield accls
+
+
+@asynccontextmanager
+async def _world(world_size: int | None, device: str, fabric: str, nbufs: int, bufsize: int,
+                 timeout: float, in_order: bool, stack: str, emulator_port: int,
+                 xclbin: str | None, board_idx: int | Sequence[int], cclo_idx: int,
+                 addresses: Sequence[tuple[str, int]] | None) -> AsyncIterator[list[ACCL]]:
+    """`open_world`, its options checked."""
     if device != "soft":
         make = _device_maker(device, emulator_port, stack, xclbin, board_idx, cclo_idx)
         async with _device_world(world_size, make, nbufs, bufsize, timeout, stack,
