@@ -13,11 +13,11 @@ brick is one chain of calls, so it costs one ``await``: a host->device transfer,
 Python kernel per block calling ``lz4.block.compress`` (which releases the GIL, so a
 brick's kernels run in parallel on the device's workers; each is given only its own
 block's input and output slot, as calls that share device memory run in turn), and
-after each kernel the download of its slot (the block's size is in its header, so
-the host writes just that much). Three sets of buffers keep two bricks in flight:
-brick i+1 is read, uploaded and queued while brick i compresses and the host writes
-brick i-1 to OUTPUT; a brick's kernels wait for the previous brick's chain, so
-bricks finish in turn.
+one device->host transfer of the brick's slots (each block's size is in its header,
+so the host writes just that much). Three sets of buffers keep two bricks in
+flight: brick i+1 is read, uploaded and queued while brick i compresses and the
+host writes brick i-1 to OUTPUT. A brick's kernels wait for the previous brick's
+kernels, so bricks compress in turn while the previous one downloads.
 
 By default three runs are timed, interleaved, best of R: the overlapped pipeline,
 the same work done one block at a time (read, upload, compress, download, write:
@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -65,6 +65,7 @@ MAGIC = 0x184D2204
 STORED = 1 << 31  # a block size's high bit: the block is stored uncompressed
 END_MARK = b"\x00\x00\x00\x00"
 SLOT = 4 + BLOCK  # a compressed block in device memory: its 4-byte size, then its data
+SETS = 3  # buffer sets of the overlapped pipeline: SETS - 1 bricks in flight
 
 # -- xxHash32: only for the frame's header checksum (a handful of bytes) ----------------
 
@@ -210,22 +211,19 @@ class Slots:
 
 
 def submit_brick(accl: aaccl.ACCL, kernel: aaccl.Kernel, slots: Slots, nbytes: int,
-                 after: aaccl.Call | None = None) -> aaccl.Call:
+                 after: Sequence[aaccl.Call] = ()) -> tuple[aaccl.Call, list[aaccl.Call]]:
     """Upload, compress and download one brick of `nbytes` input bytes (already in
     `slots.src`'s host memory) as one chain: one upload, a kernel per block (they run
-    in parallel), each followed by the download of its slot, and a nop that joins
-    them. A slot comes back whole, unused tail and all: copying half a megabyte more
-    on a worker costs less than a round trip through the host to learn the block's
-    size first. The kernels start once the previous brick's chain (`after`) is done,
-    so bricks finish one after the other; the upload need not wait."""
+    in parallel) and one download of all their slots, each slot whole, unused tail
+    and all (the block's size is in its header: copying more on a worker costs less
+    than a round trip through the host to learn the sizes first). The kernels start
+    once the previous brick's kernels (`after`) are done, so bricks compress one after
+    the other while the previous brick downloads; the upload need not wait.
+    Returns the chain's last call, the download, and the kernels."""
     up = accl.sync_to_device(slots.src[:nbytes])
-    ready = [up] if after is None else [up, after]
-    moved = []
-    for j, start in enumerate(range(0, nbytes, BLOCK)):
-        src, dst = slots.block(j, min(BLOCK, nbytes - start))
-        packed = kernel(src, dst, waitfor=ready)
-        moved.append(accl.sync_from_device(dst, waitfor=[packed]))
-    return accl.nop(waitfor=moved)
+    packed = [kernel(*slots.block(j, min(BLOCK, nbytes - start)), waitfor=[up, *after])
+              for j, start in enumerate(range(0, nbytes, BLOCK))]
+    return accl.sync_from_device(slots.dst[:len(packed) * SLOT], waitfor=packed), packed
 
 
 @dataclass
@@ -250,20 +248,20 @@ async def pipeline(accl: aaccl.ACCL, source: BinaryIO, size: int, out: BinaryIO,
     i+1 is read, uploaded and queued while brick i compresses and the host writes
     brick i-1 out."""
     kernel = accl.kernel(compress_block, name="lz4")
-    sets = [Slots(accl, brick) for _ in range(3)]
+    sets = [Slots(accl, brick) for _ in range(SETS)]
     for slots in sets:
         await slots.touch(accl)
     clock = Stopwatch()
     out.write(frame_header(size))
     in_flight: deque[tuple[Slots, aaccl.Call, int]] = deque()
-    compressed: aaccl.Call | None = None
+    packed: list[aaccl.Call] = []
     for i, (lo, hi) in enumerate(bricks(size, brick)):
         if len(in_flight) == len(sets) - 1:
             await _write_brick(*in_flight.popleft(), out)
-        slots = sets[i % len(sets)]  # its last brick, i - 3, was written out already
+        slots = sets[i % len(sets)]  # its last brick, i - SETS, was written out already
         slots.read_input(source, hi - lo)
-        compressed = submit_brick(accl, kernel, slots, hi - lo, compressed)
-        in_flight.append((slots, compressed, -(-(hi - lo) // BLOCK)))
+        compressed, packed = submit_brick(accl, kernel, slots, hi - lo, packed)
+        in_flight.append((slots, compressed, len(packed)))
     while in_flight:
         await _write_brick(*in_flight.popleft(), out)
     out.write(END_MARK)

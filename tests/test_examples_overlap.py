@@ -179,7 +179,9 @@ def test_a_brick_is_one_chain_of_transfer_kernels_transfer() -> None:
     async def main(accl: aaccl.ACCL) -> bytes:
         slots = lz4f.Slots(accl, 4)
         slots.src[:len(data)] = np.frombuffer(data, np.uint8)
-        done = lz4f.submit_brick(accl, accl.kernel(lz4f.compress_block), slots, len(data))
+        done, packed = lz4f.submit_brick(accl, accl.kernel(lz4f.compress_block), slots,
+                                         len(data))
+        assert len(packed) == 3  # a kernel per block
         await done
         out = io.BytesIO()
         slots.write_out(3, out)
@@ -203,7 +205,7 @@ def test_a_bricks_kernels_run_at_once() -> None:
     async def main(accl: aaccl.ACCL) -> None:
         slots = lz4f.Slots(accl, 4)
         slots.src[:] = np.frombuffer(data, np.uint8)
-        await lz4f.submit_brick(accl, accl.kernel(compress_together), slots, len(data))
+        await lz4f.submit_brick(accl, accl.kernel(compress_together), slots, len(data))[0]
 
     aaccl.run(main, world_size=1)
     assert not meet.broken
