@@ -219,7 +219,7 @@ def submit_brick(accl: aaccl.ACCL, kernel: aaccl.Kernel, slots: Slots, nbytes: i
     than a round trip through the host to learn the sizes first). The kernels start
     once the previous brick's kernels (`after`) are done, so bricks compress one after
     the other while the previous brick downloads; the upload need not wait.
-    Returns the chain's last call, the download, and the kernels."""
+    Returns the chain's last call (the download) and the kernels."""
     up = accl.sync_to_device(slots.src[:nbytes])
     packed = [kernel(*slots.block(j, min(BLOCK, nbytes - start)), waitfor=[up, *after])
               for j, start in enumerate(range(0, nbytes, BLOCK))]
