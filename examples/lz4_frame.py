@@ -12,12 +12,12 @@ The input goes through the device in *bricks* of N (default 8) 1 MiB blocks. A
 brick is one chain of calls, so it costs one ``await``: a host->device transfer, a
 Python kernel per block calling ``lz4.block.compress`` (which releases the GIL, so a
 brick's kernels run in parallel on the device's workers; each is given only its own
-block's input, slot and length, as calls that share device memory run in turn), and
-a device->host
-transfer of the blocks' compressed lengths; the host then downloads just the
-compressed bytes. Two sets of buffers (double buffering) let brick i+1 be read,
-uploaded and compressed while the host downloads brick i and writes it to OUTPUT;
-a brick's kernels wait for the previous brick's, so bricks finish in turn.
+block's input and output slot, as calls that share device memory run in turn), and
+one device->host transfer of the brick's slots (each block's size is in its header,
+so the host writes just that much). Three sets of buffers keep two bricks in
+flight: brick i+1 is read, uploaded and queued while brick i compresses and the
+host writes brick i-1 to OUTPUT. A brick's kernels wait for the previous brick's
+kernels, so bricks compress in turn while the previous one downloads.
 
 By default three runs are timed, interleaved, best of R: the overlapped pipeline,
 the same work done one block at a time (read, upload, compress, download, write:
@@ -49,7 +49,8 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -64,6 +65,7 @@ MAGIC = 0x184D2204
 STORED = 1 << 31  # a block size's high bit: the block is stored uncompressed
 END_MARK = b"\x00\x00\x00\x00"
 SLOT = 4 + BLOCK  # a compressed block in device memory: its 4-byte size, then its data
+SETS = 3  # buffer sets of the overlapped pipeline: SETS - 1 bricks in flight
 
 # -- xxHash32: only for the frame's header checksum (a handful of bytes) ----------------
 
@@ -169,17 +171,16 @@ def bricks(size: int, brick: int) -> Iterator[tuple[int, int]]:
 # -- the pipeline on the soft CCLO ----------------------------------------------------------
 
 class Slots:
-    """One brick's device buffers (each with its host twin): the input blocks, per
-    block a `SLOT` for its header and compressed data, and the slots' lengths. The
-    per-block views are made once: a view finds its device address on first use,
-    which costs microseconds."""
+    """One brick's device buffers (each with its host twin): the input blocks and,
+    per block, a `SLOT` for its header and compressed data. The per-block views are
+    made once: a view finds its device address on first use, which costs
+    microseconds."""
 
     def __init__(self, accl: aaccl.ACCL, brick: int) -> None:
         self.src = accl.allocate(brick * BLOCK, np.uint8)
         self.dst = accl.allocate(brick * SLOT, np.uint8)
-        self.lengths = accl.allocate(brick, np.int64)
-        self._blocks = [(self.src[j * BLOCK:(j + 1) * BLOCK], self.dst[j * SLOT:(j + 1) * SLOT],
-                         self.lengths[j:j + 1]) for j in range(brick)]
+        self._blocks = [(self.src[j * BLOCK:(j + 1) * BLOCK], self.dst[j * SLOT:(j + 1) * SLOT])
+                        for j in range(brick)]
 
     async def touch(self, accl: aaccl.ACCL) -> None:
         """Write both copies of every buffer once: fresh memory is mapped on first
@@ -193,48 +194,36 @@ class Slots:
         if source.readinto(self.src[:nbytes].data) != nbytes:
             raise EOFError("the input file is shorter than it was")
 
-    def block(self, j: int, nbytes: int = BLOCK) -> tuple[aaccl.Buffer, aaccl.Buffer,
-                                                           aaccl.Buffer]:
-        """Block j's input (its first `nbytes` bytes), its output slot and its length:
-        each kernel gets only the memory it touches, since calls that share device
-        memory run in turn (results as if in order), and a kernel may write all of
-        every buffer it is passed."""
-        src, dst, length = self._blocks[j]
-        return (src if nbytes == BLOCK else src[:nbytes]), dst, length
-
-    def download(self, accl: aaccl.ACCL, nblocks: int) -> aaccl.Call:
-        """Download just the bytes each block's slot holds (its length is in host
-        memory by now): half of a slot's megabyte, for text."""
-        moved = [accl.sync_from_device(self._blocks[j][1][:int(self.lengths[j])])
-                 for j in range(nblocks)]
-        return accl.nop(waitfor=moved)
+    def block(self, j: int, nbytes: int = BLOCK) -> tuple[aaccl.Buffer, aaccl.Buffer]:
+        """Block j's input (its first `nbytes` bytes) and its output slot: each kernel
+        gets only the memory it touches, since calls that share device memory run in
+        turn (results as if in order), and a kernel may write all of every buffer it
+        is passed."""
+        src, dst = self._blocks[j]
+        return (src if nbytes == BLOCK else src[:nbytes]), dst
 
     def write_out(self, nblocks: int, out: BinaryIO) -> None:
-        """Write the brick's blocks, from host memory, to `out`."""
+        """Write the brick's blocks, from host memory, to `out`: each slot's header
+        says how many of its bytes are the block's."""
         for j in range(nblocks):
             slot = self._blocks[j][1]
             out.write(slot[:4 + block_length(slot)].data)
 
 
-def compress_into(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
-    """The device kernel: a block's frame block into its slot, its length into
-    `length` (one element) for the host to download just that much."""
-    length[0] = compress_block(src, dst)
-
-
 def submit_brick(accl: aaccl.ACCL, kernel: aaccl.Kernel, slots: Slots, nbytes: int,
-                 after: aaccl.Call | None = None) -> aaccl.Call:
-    """Upload and compress one brick of `nbytes` input bytes (already in `slots.src`'s
-    host memory) as one chain, ending with the download of the blocks' lengths: one
-    upload, a kernel per block (they run in parallel), one small download. The
-    kernels start once the previous brick's chain (`after`) is done, so bricks finish
-    one after the other and the host writes one out while the next compresses; the
-    upload need not wait."""
+                 after: Sequence[aaccl.Call] = ()) -> tuple[aaccl.Call, list[aaccl.Call]]:
+    """Upload, compress and download one brick of `nbytes` input bytes (already in
+    `slots.src`'s host memory) as one chain: one upload, a kernel per block (they run
+    in parallel) and one download of all their slots, each slot whole, unused tail
+    and all (the block's size is in its header: copying more on a worker costs less
+    than a round trip through the host to learn the sizes first). The kernels start
+    once the previous brick's kernels (`after`) are done, so bricks compress one after
+    the other while the previous brick downloads; the upload need not wait.
+    Returns the chain's last call (the download) and the kernels."""
     up = accl.sync_to_device(slots.src[:nbytes])
-    ready = [up] if after is None else [up, after]
-    packed = [kernel(*slots.block(j, min(BLOCK, nbytes - start)), waitfor=ready)
+    packed = [kernel(*slots.block(j, min(BLOCK, nbytes - start)), waitfor=[up, *after])
               for j, start in enumerate(range(0, nbytes, BLOCK))]
-    return accl.sync_from_device(slots.lengths, waitfor=packed)
+    return accl.sync_from_device(slots.dst[:len(packed) * SLOT], waitfor=packed), packed
 
 
 @dataclass
@@ -255,35 +244,34 @@ class Stopwatch:
 
 async def pipeline(accl: aaccl.ACCL, source: BinaryIO, size: int, out: BinaryIO,
                    brick: int) -> Timing:
-    """Overlapped: brick i+1 is read, uploaded and compressed while the host
-    downloads brick i and writes it out (two sets of buffers, used in turn)."""
-    kernel = accl.kernel(compress_into, name="lz4")
-    sets = [Slots(accl, brick), Slots(accl, brick)]
+    """Overlapped: two bricks in flight (three sets of buffers, used in turn): brick
+    i+1 is read, uploaded and queued while brick i compresses and the host writes
+    brick i-1 out."""
+    kernel = accl.kernel(compress_block, name="lz4")
+    sets = [Slots(accl, brick) for _ in range(SETS)]
     for slots in sets:
         await slots.touch(accl)
     clock = Stopwatch()
     out.write(frame_header(size))
-    previous: tuple[Slots, aaccl.Call, int] | None = None
-    compressed: aaccl.Call | None = None
+    in_flight: deque[tuple[Slots, aaccl.Call, int]] = deque()
+    packed: list[aaccl.Call] = []
     for i, (lo, hi) in enumerate(bricks(size, brick)):
-        slots = sets[i % 2]  # its last brick, i - 2, was written out already
+        if len(in_flight) == len(sets) - 1:
+            await _write_brick(*in_flight.popleft(), out)
+        slots = sets[i % len(sets)]  # its last brick, i - SETS, was written out already
         slots.read_input(source, hi - lo)
-        compressed = submit_brick(accl, kernel, slots, hi - lo, compressed)
-        running = (slots, compressed, -(-(hi - lo) // BLOCK))
-        if previous is not None:
-            await _write_brick(accl, *previous, out)
-        previous = running
-    if previous is not None:
-        await _write_brick(accl, *previous, out)
+        compressed, packed = submit_brick(accl, kernel, slots, hi - lo, packed)
+        in_flight.append((slots, compressed, len(packed)))
+    while in_flight:
+        await _write_brick(*in_flight.popleft(), out)
     out.write(END_MARK)
     out.flush()
     return clock.stop()
 
 
-async def _write_brick(accl: aaccl.ACCL, slots: Slots, compressed: aaccl.Call, nblocks: int,
+async def _write_brick(slots: Slots, compressed: aaccl.Call, nblocks: int,
                        out: BinaryIO) -> None:
     await compressed
-    await slots.download(accl, nblocks)
     slots.write_out(nblocks, out)
 
 
@@ -291,19 +279,18 @@ async def sequential(accl: aaccl.ACCL, source: BinaryIO, size: int, out: BinaryI
                      brick: int) -> Timing:
     """The same work one block at a time, each call awaited before the next: nothing
     overlaps (the baseline; `brick` is unused)."""
-    kernel = accl.kernel(compress_into, name="lz4")
+    kernel = accl.kernel(compress_block, name="lz4")
     slots = Slots(accl, 1)
     await slots.touch(accl)
     clock = Stopwatch()
     out.write(frame_header(size))
     for lo in range(0, size, BLOCK):
         n = min(BLOCK, size - lo)
-        src, dst, length = slots.block(0, n)
+        src, dst = slots.block(0, n)
         slots.read_input(source, n)
         await accl.sync_to_device(src)
-        await kernel(src, dst, length)
-        await accl.sync_from_device(slots.lengths)
-        await slots.download(accl, 1)
+        await kernel(src, dst)
+        await accl.sync_from_device(dst)
         slots.write_out(1, out)
     out.write(END_MARK)
     out.flush()

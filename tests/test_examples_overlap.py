@@ -173,19 +173,16 @@ def test_sequential_pipeline_writes_the_same_frame(size: int) -> None:
 
 def test_a_brick_is_one_chain_of_transfer_kernels_transfer() -> None:
     """submit_brick returns the last call of the chain; awaiting it alone is enough
-    to download just the compressed bytes."""
+    to have every block's slot, header and compressed bytes, in host memory."""
     data = lz4f.text_like(3 * MIB)
 
     async def main(accl: aaccl.ACCL) -> bytes:
         slots = lz4f.Slots(accl, 4)
         slots.src[:len(data)] = np.frombuffer(data, np.uint8)
-        done = lz4f.submit_brick(accl, accl.kernel(lz4f.compress_into), slots, len(data))
+        done, packed = lz4f.submit_brick(accl, accl.kernel(lz4f.compress_block), slots,
+                                         len(data))
+        assert len(packed) == 3  # a kernel per block
         await done
-        scratch = np.empty(lz4f.SLOT, np.uint8)
-        source = np.frombuffer(data, np.uint8)
-        assert list(slots.lengths[:3]) == [  # on the host already: the chain's last call
-            lz4f.compress_block(source[j * MIB:(j + 1) * MIB], scratch) for j in range(3)]
-        await slots.download(accl, 3)
         out = io.BytesIO()
         slots.write_out(3, out)
         return out.getvalue()
@@ -201,14 +198,14 @@ def test_a_bricks_kernels_run_at_once() -> None:
     data = lz4f.text_like(4 * MIB)
     meet = threading.Barrier(4, timeout=20)  # broken unless all four run together
 
-    def compress_together(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
+    def compress_together(src: np.ndarray, dst: np.ndarray) -> None:
         meet.wait()
-        lz4f.compress_into(src, dst, length)
+        lz4f.compress_block(src, dst)
 
     async def main(accl: aaccl.ACCL) -> None:
         slots = lz4f.Slots(accl, 4)
         slots.src[:] = np.frombuffer(data, np.uint8)
-        await lz4f.submit_brick(accl, accl.kernel(compress_together), slots, len(data))
+        await lz4f.submit_brick(accl, accl.kernel(compress_together), slots, len(data))[0]
 
     aaccl.run(main, world_size=1)
     assert not meet.broken
