@@ -134,3 +134,26 @@ def test_a_traced_call_ends_before_its_await_returns(backend: str) -> None:
     runs = sorted(s.end for s in trace.spans if s.engine != "host" and s.name != "nop")
     assert len(runs) == len(returned) == 50
     assert all(end <= at for end, at in zip(runs, returned))
+
+
+def test_a_traced_calls_span_is_in_the_trace_before_anyone_wakes() -> None:
+    """A traced call's run is recorded before its Call wakes a waiter: a task that
+    leaves `tracing()` right after its await finds the span there (recorded from a
+    done-callback, it came after the wake, and a kernel's was missing 1 run in 15)."""
+    from aaccl.devices import DeviceCall
+
+    async def main() -> None:
+        async with aaccl.open_world(1) as (accl,):
+            with aaccl.tracing() as trace:
+                dev = DeviceCall(None)
+                call = accl._track("kernel", "kernel", dev, (), time.perf_counter_ns())
+                spans_when_woken: list[int] = []
+                call._register(lambda: spans_when_woken.append(
+                    sum(s.engine == "kernel" for s in trace.spans)))
+                dev.complete()
+                assert spans_when_woken == [1]
+                await call
+
+    import anyio
+
+    anyio.run(main)

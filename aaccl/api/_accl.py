@@ -451,8 +451,15 @@ class ACCL:
         it completes. The user's frame is `depth` frames up from this one."""
         self._ncalls += 1
         trace = _trace._active if submitted else None  # submitted is 0 unless tracing
+        on_done: Callable[[Call], None] = self._forget
         if trace is not None:
-            self._record(trace, op, engine, device_call, submitted)
+            record = self._record(trace, op, engine, device_call, submitted)
+            if device_call._callbacks is None:
+                record(device_call)
+            else:  # recorded before anyone is woken: a span is in the trace once awaited
+                def on_done(call: Call) -> None:
+                    record(device_call)
+                    self._forget(call)
         name = (op, self._rank, self._ncalls, where)  # formatted if ever read
         # Where the user made the call, for its never-awaited warning: `depth` frames
         # up (3: _track <- _submit, _transfer or _run_kernel <- nop, sync_to_device or
@@ -469,8 +476,7 @@ class ACCL:
             if hazards:  # nobody has seen its error yet
                 self._explain(result, hazards)
             return result
-        result = Call(name, self, device_call, deps + hazards, finish, self._forget, buffers,
-                      origin)
+        result = Call(name, self, device_call, deps + hazards, finish, on_done, buffers, origin)
         with self._lock:
             finished = result._finished
             if not finished:
@@ -486,20 +492,21 @@ class ACCL:
         return result
 
     def _record(self, trace: _trace.Trace, op: str, engine: str, device_call: DeviceCall,
-                submitted: int) -> None:
-        """Trace the host's submission (with its syncs) and, once it completes, the
-        call's run on the device."""
+                submitted: int) -> Callable[[DeviceCall], None]:
+        """Trace the host's submission (with its syncs); return what traces the call's
+        run on the device once it completed (its Call's `on_done`: before the Call
+        wakes anyone)."""
         rank, number = self._rank, self._ncalls
         trace.add(rank, "host", f"submit {op}", submitted, time.perf_counter_ns(), call=number)
 
         def completed(dev: DeviceCall) -> None:
-            end = dev.ended or time.perf_counter_ns()  # (callbacks run after the owner's wake)
+            end = dev.ended or time.perf_counter_ns()
             extra = {} if dev.args is None else {"count": dev.args.count}
             trace.add(rank, engine, op, dev.started or end, end, call=number,
                       submitted_us=(submitted - trace.origin) / 1000,
                       failed=dev.failed, **extra)
 
-        device_call.add_done_callback(completed)
+        return completed
 
     def _forget(self, call: Call) -> None:
         with self._lock:
