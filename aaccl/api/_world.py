@@ -480,12 +480,12 @@ def run(main: Callable[[ACCL], Awaitable[T]], world_size: int | None = None, *,
                     accl._depart("its program returned")
                 except Exception as exc:
                     errors[accl.rank] = exc
+                    reason = f"rank {accl.rank} raised {type(exc).__name__}: {exc}"
                     if not isinstance(exc, Aborted):
-                        reason = f"rank {accl.rank} raised {type(exc).__name__}: {exc}"
                         for each in accls:
                             each._abort(reason)
-                        if one_of_many:  # the others' calls waiting for us fail now
-                            accl._depart(reason)
+                    if one_of_many:  # the others' calls waiting for us fail now, even
+                        accl._depart(reason)  # when ours was aborted: we make no more
                     if not one_of_many:
                         raise
                 except (KeyboardInterrupt, SystemExit) as exc:
