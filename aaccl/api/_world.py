@@ -402,6 +402,11 @@ def listen_for_lost_processes() -> Callable[[], None]:
     return done
 
 
+WORLD_CLOSED = "its world closed"
+"""How the departure of a rank whose world closed early (an error, a cancellation,
+Ctrl-C, SystemExit) begins: that process gathers no results (`_gather_results`)."""
+
+
 @asynccontextmanager
 async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: float,
                      in_order: bool, stack: str = "tcp") -> AsyncIterator[list[ACCL]]:
@@ -426,7 +431,7 @@ async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: 
             except BaseException as exc:
                 reason = _why(exc)
                 accl._abort(reason)
-                accl._depart(f"its world closed: {reason}")
+                accl._depart(f"{WORLD_CLOSED}: {reason}")
                 raise
             else:
                 with anyio.CancelScope(shield=True):
@@ -495,8 +500,8 @@ def run(main: Callable[[ACCL], Awaitable[T]], world_size: int | None = None, *,
                     reason = f"rank {accl.rank} raised {type(exc).__name__}"
                     for each in accls:
                         each._abort(reason)
-                    if one_of_many:
-                        accl._depart(reason)
+                    if one_of_many:  # its world closes: it gathers no results
+                        accl._depart(f"{WORLD_CLOSED}: {reason}")
                     raise _Stopped from exc
 
             async with anyio.create_task_group() as tasks:
@@ -645,10 +650,20 @@ async def _gather_results(mine: Any, accl: ACCL, timeout: float) -> list[Any]:
     (over the MPI fabric; on other devices, up to `timeout`). A rank that died makes
     this fail as soon as the launcher or the fabric says so: never a hang."""
     me, missing = accl.rank, accl._peers_missing()
+
+    def gone() -> str | None:
+        # a peer whose world closed early never gathers, and waits (up to the timeout)
+        # for our farewells, which we say once we have gathered: do not wait for it
+        closed = [f"rank {r} left the world: {why}" for r, why in
+                  sorted(accl._peers_gone().items()) if why.startswith(WORLD_CLOSED)]
+        if closed:
+            return "; ".join(closed)
+        return None if missing is None else missing()
+
     return await gather_every_rank(
         mine, None if missing else timeout, lambda ended:
         f"rank {me} cannot gather every rank's result: {ended}" if ended
-        else f"not every rank finished within {timeout} s of rank {me}", missing)
+        else f"not every rank finished within {timeout} s of rank {me}", gone)
 
 
 def _gathered(mine: Any, why_not: Callable[[str | None], str]

@@ -12,6 +12,9 @@ Suites (all but `late` end with a non-zero exit status on purpose):
   relay     the last rank raises at once; rank 0 waits for a message from it (aborted
             when it leaves), and rank 1 for one from rank 0: rank 0, whose program
             ended with that Aborted, leaves too, so rank 1 fails at once as well.
+  exit      the last rank's own code raises SystemExit after a barrier (its world
+            closes: it gathers no results); the others return, and must not wait
+            for it to gather until the timeout: they fail at once, naming it.
   late      the last rank's own code runs LATE seconds longer than the others' (after
             its last call): leaving waits for it, whatever the timeout, and the job
             succeeds; with $AACCL_TEST_LATE_DIES, its process is SIGKILLed there, and
@@ -113,6 +116,14 @@ async def relay(checks: Checks, accl: aaccl.ACCL) -> None:
     checks()
 
 
+async def exit_(checks: Checks, accl: aaccl.ACCL) -> int:
+    await reported("barrier", accl.barrier())  # everyone is here and working
+    if accl.rank == accl.size - 1:
+        raise SystemExit(3)
+    checks()
+    return accl.rank
+
+
 async def late(checks: Checks, accl: aaccl.ACCL) -> int:
     src, dst = accl.allocate(COUNT, np.float32), accl.allocate(COUNT, np.float32)
     src[:] = accl.rank
@@ -135,5 +146,5 @@ def every_rank_returned(name: str, results: list[object]) -> None:
 
 if __name__ == "__main__":
     run_suite({"kill": kill, "quit": quit_, "mismatch": mismatch, "late": late,
-               "relay": relay},
+               "relay": relay, "exit": exit_},
               every_rank_returned)
