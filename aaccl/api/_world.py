@@ -331,7 +331,11 @@ def _process_lost(signum: int, frame: Any) -> None:
     # ends, so a second one comes while the first handler may still be importing,
     # and finds the module half made (issue 28's kill test, 1 trial in 10).
     if _lost is not None:
-        _lost("a process of this MPI job ended (hydra's SIGUSR1)", ended_ranks())
+        ranks = ended_ranks()
+        # the first reason is what the world's collectives fail with from now on (the
+        # lane's), whoever buries the ranks first: it names them where it can
+        _lost("; ".join(f"rank {rank} left the world: {how}" for rank, how in sorted(ranks.items()))
+              or "a process of this MPI job ended (hydra's SIGUSR1)", ranks)
 
 
 def ended_ranks() -> dict[int, str]:
