@@ -299,7 +299,8 @@ def records(accls: list[aaccl.ACCL]) -> dict[str, int]:
     for accl in accls:
         inbox = accl._driver.device.inbox
         for name in counts:
-            counts[name] += len(getattr(inbox, f"_{name}"))
+            # (the members are read in line on the small-call path: a public name)
+            counts[name] += len(getattr(inbox, "members" if name == "members" else f"_{name}"))
     fabric = accls[0]._driver.device.port.fabric
     counts["roll"], counts["meetings"] = len(fabric.roll), len(fabric.meetings)
     return counts
