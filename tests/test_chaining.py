@@ -636,3 +636,29 @@ async def test_calls_on_a_closed_accl_raise() -> None:
         a.allreduce(src, dst, 4, ReduceFunction.SUM)
     await done  # a finished call stays awaitable
     await a.aclose()  # closing twice is harmless
+
+
+@pytest.mark.anyio
+async def test_blocking_wait_takes_its_timeout_as_threading_does_and_checks_it() -> None:
+    """`Call.wait(timeout)` from a thread: inf waits as None (threading's wait raised
+    OverflowError for it, and left its waker on the call), nan and non-numbers are
+    refused before waiting; a timeout that passes leaves no waker behind."""
+    async with aaccl.open_world(2, timeout=5) as (a, b):
+        recv = a.recv(a.allocate(8), 8, 1, tag=3)
+
+        def waits() -> list[str]:
+            seen = []
+            for timeout in (0.0, -1, float("nan"), "1", True):
+                try:
+                    recv.wait(timeout)  # type: ignore[arg-type]
+                except (TimeoutError, ValueError, TypeError) as exc:
+                    seen.append(type(exc).__name__)
+            return seen
+
+        assert await anyio.to_thread.run_sync(waits) == \
+            ["TimeoutError", "TimeoutError", "ValueError", "TypeError", "TypeError"]
+        assert recv._wakers == []
+        send = b.send(b.allocate(8), 8, 0, tag=3)
+        await anyio.to_thread.run_sync(recv.wait, float("inf"))  # until it is done
+        await send
+        assert recv.done() and recv._wakers == []

@@ -367,3 +367,35 @@ def test_a_rank_that_raises_tells_the_others_whose_calls_fail_at_once() -> None:
         in job.stdout, job.explain()
     assert "RuntimeError: rank 1's own code gave up" in job.stderr, job.explain()
     assert job.seconds < 20, f"the failed job took {job.seconds:.1f} s to end{job.explain()}"
+
+
+def test_a_rank_aborted_by_a_leaver_leaves_too() -> None:
+    """Rank 2 raises; rank 0's receive from it is aborted, which ends rank 0's program;
+    rank 1 waits for a message from rank 0. Rank 0 leaves the world as any rank whose
+    program raised does (it left without a word when its error was an Aborted), so
+    rank 1's receive fails at once, naming the chain, not at its timeout."""
+    job = launch(3, "faults.py", "relay", f"timeout={30 * TIMEOUT}", limit=FAULT_LIMIT)
+    assert job.returncode != 0, f"the job succeeded{job.explain()}"
+    faults = job.faults()
+    for rank in (0, 1):
+        assert rank in faults, f"rank {rank} reported no failed call{job.explain()}"
+        waited, kind, call = faults[rank]
+        assert kind == "Aborted", f"rank {rank}: {kind}{job.explain()}"
+        assert waited < TIMEOUT, f"rank {rank}'s {call} failed after {waited} s{job.explain()}"
+    assert "rank 0 left the world: rank 0 raised Aborted" in job.stdout, job.explain()
+    assert "RuntimeError: rank 2's own code gave up" in job.stderr, job.explain()
+    assert job.seconds < 20, f"the failed job took {job.seconds:.1f} s to end{job.explain()}"
+
+
+def test_a_rank_whose_world_closes_is_not_waited_for_to_gather() -> None:
+    """Rank 2's program raises SystemExit: its world closes, and it gathers no results
+    (nor does a rank whose world a Ctrl-C cancelled). The others, whose programs
+    returned, learn that it left with its world closed and fail at once, naming it;
+    they waited for its process to end before, and it waited (up to the timeout) for
+    their farewells, which they say after gathering: the job took the timeout."""
+    job = launch(3, "faults.py", "exit", f"timeout={30 * TIMEOUT}", limit=FAULT_LIMIT)
+    assert job.returncode != 0, f"the job succeeded{job.explain()}"
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank} cannot gather every rank's result: rank 2 left the "
+                         "world: its world closed", job.stdout + job.stderr), job.explain()
+    assert job.seconds < 15, f"the failed job took {job.seconds:.1f} s to end{job.explain()}"

@@ -183,6 +183,9 @@ CASES: list[Case] = [
     ("func-none", lambda e: e.me.reduce_scatter(e.f, e.g, 2, None), ValueError),
     ("func-combine", lambda e: e.me.combine(4, 7, e.f, e.g, e.g), ValueError),
     ("func-fraction", lambda e: e.me.allreduce(e.f, e.g, 4, 0.5), ValueError),
+    ("func-float-equal-to-sum", lambda e: e.me.allreduce(e.f, e.g, 4, 0.0), ValueError),
+    ("func-bool", lambda e: e.me.reduce(e.f, e.g, 4, 0, True), ValueError),
+    ("func-numpy-bool", lambda e: e.me.combine(4, np.True_, e.f, e.g, e.g), ValueError),
     # tags
     ("tag-negative", lambda e: e.me.send(e.f, 4, 1, tag=-1), ValueError),
     ("tag-over-32-bits", lambda e: e.me.send(e.f, 4, 1, tag=2**32), ValueError),
@@ -262,6 +265,7 @@ async def test_valid_variants_are_accepted() -> None:
         np.testing.assert_array_equal(g[:4], [4, 5, 6, 7])
         await a.copy(f, g, 0)
         await a.combine(8, 1, f, g, g)  # MAX as a plain int
+        await a.combine(8, np.int64(1), f, g, g)  # MAX as a numpy integer
         np.testing.assert_array_equal(g, np.maximum(f, g))
         s, r = a.send(f, 3, np.int32(1), tag=aaccl.TAG_ANY), b.recv(b.allocate(3), 3, 0, tag=7)
         await s

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import numbers
 import threading
 import time
 import warnings
@@ -176,7 +178,15 @@ class Call:
         """Block this thread until the call finished, then raise its error, as `await`
         would: for code without an event loop (threads, `aaccl.compat`). Never call it
         on an event loop's thread. TimeoutError if `timeout` seconds pass first (the
-        call goes on)."""
+        call goes on). A timeout of inf waits as None does."""
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+                raise TypeError(f"timeout must be a number of seconds or None, "
+                                f"not {type(timeout).__name__}")
+            if math.isnan(timeout):
+                raise ValueError("timeout must be a number of seconds or None, not nan")
+            if timeout == math.inf:  # (threading's wait takes no infinite timeout)
+                timeout = None
         self._used = True
         if not self._block(timeout):
             raise TimeoutError(f"{self.name} did not finish within {timeout} s")
@@ -191,8 +201,14 @@ class Call:
         if self._finished:
             return True
         finished = threading.Event()
-        if not self._register(finished.set) or finished.wait(timeout):
+        if not self._register(finished.set):
             return True
+        try:
+            if finished.wait(timeout):
+                return True
+        except BaseException:  # interrupted (Ctrl-C): the waker goes with the wait
+            self._forget(finished.set)
+            raise
         self._forget(finished.set)
         return False
 

@@ -66,11 +66,14 @@ def tag(value: Any) -> int:
 def function(value: Any) -> ReduceFunction:
     if type(value) is ReduceFunction:
         return value
-    try:
-        return ReduceFunction(value)
-    except ValueError:
-        names = ", ".join(f.name for f in ReduceFunction)
-        raise ValueError(f"{value!r} is not a reduce function: use ReduceFunction ({names})") from None
+    # an integer (numpy's too) naming one; not a float or bool that equals one (0.0, True)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        try:
+            return ReduceFunction(int(value))
+        except ValueError:
+            pass
+    names = ", ".join(f.name for f in ReduceFunction)
+    raise ValueError(f"{value!r} is not a reduce function: use ReduceFunction ({names})")
 
 
 def buffer(buf: Any, name: str, owner: object, elements: int, cclo: bool = True) -> Buffer:

@@ -28,7 +28,7 @@ from ..devices import Device
 from ..devices._emulator import DEFAULT_PORT, EmulatorDevice
 from ..driver import STACKS, Driver, check_buffers
 from ..driver._driver import _add_note
-from ..soft import InProcessFabric, SoftDevice
+from ..soft import Engine, InProcessFabric, MPIFabric, SoftDevice
 from ._accl import ACCL
 
 if sys.version_info < (3, 11):
@@ -185,6 +185,7 @@ async def open_world(world_size: int | None = None, *, device: str = "soft",
     """
     check_options(world_size, device, fabric, nbufs, bufsize, timeout, in_order)
     stack = _stack(stack, device, emulator_protocol)
+    _protect_from_keyboard_interrupt()
     with signals_wake_loop():  # (a Ctrl-C any thread takes wakes the loop: _threads.py)
         async with _world(world_size, device, fabric, nbufs, bufsize, timeout, in_order,
                           stack, emulator_port, xclbin, board_idx, cclo_idx,
@@ -228,6 +229,22 @@ async def _world(world_size: int | None, device: str, fabric: str, nbufs: int, b
         with anyio.CancelScope(shield=True):
             for accl in accls:
                 await accl.aclose()
+
+
+def _protect_from_keyboard_interrupt() -> None:
+    """Under trio, a Ctrl-C waits for the next checkpoint while the soft CCLO's engine
+    runs events (or a task polls the MPI fabric) on the event loop's thread. trio
+    raises KeyboardInterrupt wherever that thread is, unless the code is marked
+    protected: one raised inside an event left a call half-stepped, waiting for
+    nothing, which no abort could end, and its world's closing waited for it for good
+    (1 Ctrl-C in 5 under `aaccl launch -n 3`, on trio). asyncio's runner cancels its
+    main task on the first Ctrl-C instead. Marking costs nothing at run time (trio
+    keeps a table of protected code objects, read only when a SIGINT comes)."""
+    trio = sys.modules.get("trio")  # (used only if the program runs on trio)
+    if trio is None:
+        return
+    for code_of in (Engine.post, Engine._drain, MPIFabric.poll):
+        trio.lowlevel.enable_ki_protection(code_of)
 
 
 def _device_maker(device: str, emulator_port: int, stack: str, xclbin: str | None,
@@ -345,7 +362,11 @@ def _process_lost(signum: int, frame: Any) -> None:
     # ends, so a second one comes while the first handler may still be importing,
     # and finds the module half made (issue 28's kill test, 1 trial in 10).
     if _lost is not None:
-        _lost("a process of this MPI job ended (hydra's SIGUSR1)", ended_ranks())
+        ranks = ended_ranks()
+        # the first reason is what the world's collectives fail with from now on (the
+        # lane's), whoever buries the ranks first: it names them where it can
+        _lost("; ".join(f"rank {rank} left the world: {how}" for rank, how in sorted(ranks.items()))
+              or "a process of this MPI job ended (hydra's SIGUSR1)", ranks)
 
 
 def ended_ranks() -> dict[int, str]:
@@ -416,6 +437,11 @@ def listen_for_lost_processes() -> Callable[[], None]:
     return done
 
 
+WORLD_CLOSED = "its world closed"
+"""How the departure of a rank whose world closed early (an error, a cancellation,
+Ctrl-C, SystemExit) begins: that process gathers no results (`_gather_results`)."""
+
+
 @asynccontextmanager
 async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: float,
                      in_order: bool, stack: str = "tcp") -> AsyncIterator[list[ACCL]]:
@@ -440,7 +466,7 @@ async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: 
             except BaseException as exc:
                 reason = _why(exc)
                 accl._abort(reason)
-                accl._depart(f"its world closed: {reason}")
+                accl._depart(f"{WORLD_CLOSED}: {reason}")
                 raise
             else:
                 with anyio.CancelScope(shield=True):
@@ -494,12 +520,12 @@ def run(main: Callable[[ACCL], Awaitable[T]], world_size: int | None = None, *,
                     accl._depart("its program returned")
                 except Exception as exc:
                     errors[accl.rank] = exc
+                    reason = f"rank {accl.rank} raised {type(exc).__name__}: {exc}"
                     if not isinstance(exc, Aborted):
-                        reason = f"rank {accl.rank} raised {type(exc).__name__}: {exc}"
                         for each in accls:
                             each._abort(reason)
-                        if one_of_many:  # the others' calls waiting for us fail now
-                            accl._depart(reason)
+                    if one_of_many:  # the others' calls waiting for us fail now, even
+                        accl._depart(reason)  # when ours was aborted: we make no more
                     if not one_of_many:
                         raise
                 except (KeyboardInterrupt, SystemExit) as exc:
@@ -509,8 +535,8 @@ def run(main: Callable[[ACCL], Awaitable[T]], world_size: int | None = None, *,
                     reason = f"rank {accl.rank} raised {type(exc).__name__}"
                     for each in accls:
                         each._abort(reason)
-                    if one_of_many:
-                        accl._depart(reason)
+                    if one_of_many:  # its world closes: it gathers no results
+                        accl._depart(f"{WORLD_CLOSED}: {reason}")
                     raise _Stopped from exc
 
             async with anyio.create_task_group() as tasks:
@@ -659,10 +685,20 @@ async def _gather_results(mine: Any, accl: ACCL, timeout: float) -> list[Any]:
     (over the MPI fabric; on other devices, up to `timeout`). A rank that died makes
     this fail as soon as the launcher or the fabric says so: never a hang."""
     me, missing = accl.rank, accl._peers_missing()
+
+    def gone() -> str | None:
+        # a peer whose world closed early never gathers, and waits (up to the timeout)
+        # for our farewells, which we say once we have gathered: do not wait for it
+        closed = [f"rank {r} left the world: {why}" for r, why in
+                  sorted(accl._peers_gone().items()) if why.startswith(WORLD_CLOSED)]
+        if closed:
+            return "; ".join(closed)
+        return None if missing is None else missing()
+
     return await gather_every_rank(
         mine, None if missing else timeout, lambda ended:
         f"rank {me} cannot gather every rank's result: {ended}" if ended
-        else f"not every rank finished within {timeout} s of rank {me}", missing)
+        else f"not every rank finished within {timeout} s of rank {me}", gone)
 
 
 def _gathered(mine: Any, why_not: Callable[[str | None], str]

@@ -51,6 +51,22 @@ SHIM = ("import sys, types, importlib.util as u; sys.path[:1] = [p for p in sys.
         "from _aaccl_launch._rank import main; main(sys.argv[1:])")
 
 
+# mpiexec runs under this, which asks Linux to SIGKILL it when the launcher dies, then
+# becomes mpiexec (the request survives exec): a launcher killed (kill -9, a batch
+# system's time limit) left mpiexec and every rank running, orphaned, for good; with
+# mpiexec gone, hydra's proxies end their ranks. (Not preexec_fn: the launcher has a
+# thread by then, the Board's, and code run between fork and exec may deadlock.)
+DIE_WITH_LAUNCHER = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)\n"
+    "except (OSError, AttributeError):\n"
+    "    pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(128 + signal.SIGKILL)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n")
+
+
 def command(mpiexec: str, nprocs: int, program: Sequence[str], hostfile: str | None,
             hydra: bool, prepend_rank: bool = False) -> list[str]:
     """The mpiexec command line that runs `program` (a script and its arguments,
@@ -128,6 +144,8 @@ def launch(nprocs: int, program: Sequence[str], hostfile: str | None = None,
     with Board(nprocs) as board:
         # With SIGPIPE ignored (as in Python), hydra sees EPIPE when it writes to the
         # proxy of a rank that already exited, instead of dying of the signal.
+        if sys.platform.startswith("linux"):  # (prctl is Linux's)
+            cmd = [sys.executable, "-c", DIE_WITH_LAUNCHER, str(os.getpid()), *cmd]
         proc = subprocess.Popen(cmd, env={**os.environ, **board.env}, restore_signals=False)
         try:
             code = proc.wait()

@@ -9,6 +9,12 @@ Suites (all but `late` end with a non-zero exit status on purpose):
   mismatch  rank 0 calls bcast while the others call allreduce (of COUNT elements, or
             $AACCL_TEST_COUNT): nobody waits forever.
   quit      rank 1's code raises in the middle of the sequence; the others time out.
+  relay     the last rank raises at once; rank 0 waits for a message from it (aborted
+            when it leaves), and rank 1 for one from rank 0: rank 0, whose program
+            ended with that Aborted, leaves too, so rank 1 fails at once as well.
+  exit      the last rank's own code raises SystemExit after a barrier (its world
+            closes: it gathers no results); the others return, and must not wait
+            for it to gather until the timeout: they fail at once, naming it.
   late      the last rank's own code runs LATE seconds longer than the others' (after
             its last call): leaving waits for it, whatever the timeout, and the job
             succeeds; with $AACCL_TEST_LATE_DIES, its process is SIGKILLed there, and
@@ -100,6 +106,24 @@ async def mismatch(checks: Checks, accl: aaccl.ACCL) -> None:
     checks()
 
 
+async def relay(checks: Checks, accl: aaccl.ACCL) -> None:
+    buf = accl.allocate(16, np.float32)
+    await reported("barrier", accl.barrier())  # everyone is here and working
+    if accl.rank == accl.size - 1:
+        raise RuntimeError(f"rank {accl.rank}'s own code gave up")
+    await reported("recv", accl.recv(buf, 16, (accl.rank - 1) % (accl.size - 1)
+                                     if accl.rank else accl.size - 1))
+    checks()
+
+
+async def exit_(checks: Checks, accl: aaccl.ACCL) -> int:
+    await reported("barrier", accl.barrier())  # everyone is here and working
+    if accl.rank == accl.size - 1:
+        raise SystemExit(3)
+    checks()
+    return accl.rank
+
+
 async def late(checks: Checks, accl: aaccl.ACCL) -> int:
     src, dst = accl.allocate(COUNT, np.float32), accl.allocate(COUNT, np.float32)
     src[:] = accl.rank
@@ -121,5 +145,6 @@ def every_rank_returned(name: str, results: list[object]) -> None:
 
 
 if __name__ == "__main__":
-    run_suite({"kill": kill, "quit": quit_, "mismatch": mismatch, "late": late},
+    run_suite({"kill": kill, "quit": quit_, "mismatch": mismatch, "late": late,
+               "relay": relay, "exit": exit_},
               every_rank_returned)
