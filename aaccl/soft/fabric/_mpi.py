@@ -703,12 +703,19 @@ class MPIFabric:
         now on. `ranks`: which ranks' programs ended abnormally, and how, where that is
         known (`aaccl launch` tells): each open fabric treats them as gone (`_bury`).
         Safe in a signal handler (it takes no lock)."""
+        # A reason naming the ranks replaces one that did not: hydra's signal may come
+        # before the launcher's word of who ended (1 kill in 20 at 4 ranks), and what
+        # fails after this says who (a list item's store: atomic, no lock)
+        unnamed = _ended[0] if _ended and not _dead else None
         if not _ended:
             _ended.append(reason)
+        elif ranks and unnamed is not None:
+            _ended[0] = reason
         if ranks:
             _dead.update(ranks)
         for fabric in list(_open):
-            fabric.lost = fabric.lost or reason
+            if fabric.lost is None or (ranks and fabric.lost == unnamed):
+                fabric.lost = reason
             if ranks:
                 fabric._deaths.append(ranks)  # the progress thread buries them
 
