@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import signal
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -14,6 +15,12 @@ import pytest
 import aaccl
 
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    # Started in the background by a shell without job control (`pytest &` in a
+    # script), which ignores SIGINT for it: every program the tests start would
+    # inherit that, and the tests that send one Ctrl-C would see it do nothing.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _script_module(folder: str, name: str) -> ModuleType:

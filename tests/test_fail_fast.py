@@ -345,17 +345,24 @@ def test_ctrl_c_to_an_aaccl_launch_job_ends_every_rank_at_once(tmp_path) -> None
     script = tmp_path / "ctrl_c_job.py"
     script.write_text(textwrap.dedent(WAITING.replace("WORLD", "")))
     proc = subprocess.Popen([sys.executable, "-m", "aaccl", "launch", "-n", "2", str(script)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    while proc.stdout.readline().strip() != "waiting":
-        assert proc.poll() is None, proc.communicate()
-    start = time.monotonic()
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode != 0
-    assert time.monotonic() - start < FAST, err
-    left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout
-    assert not left.strip(), f"ranks left running: {left}"
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        while proc.stdout.readline().strip() != "waiting":
+            assert proc.poll() is None, proc.communicate()
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        assert time.monotonic() - start < FAST, err
+        left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout
+        assert not left.strip(), f"ranks left running: {left}"
+    finally:  # a failed trial leaves no job behind (rank 0 sleeps for an hour)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 @needs_mpiexec
