@@ -138,6 +138,7 @@ CASES: list[Case] = [
     ("comm-unknown", lambda e: e.me.allreduce(e.f, e.g, 4, SUM, comm_id=1), ValueError),
     ("comm-negative", lambda e: e.me.bcast(e.f, 4, 0, comm_id=-1), ValueError),
     ("comm-str", lambda e: e.me.send(e.f, 4, 1, comm_id="0"), ValueError),
+    ("comm-numpy", lambda e: e.me.allreduce(e.f, e.g, 4, SUM, comm_id=np.int64(0)), ValueError),
     ("comm-barrier", lambda e: e.me.barrier(comm_id=3), ValueError),
     ("comm-recv", lambda e: e.me.recv(e.f, 4, 1, comm_id=9), ValueError),
     # not a Buffer of this rank

@@ -323,8 +323,12 @@ class ACCL:
 
     def _comm_size(self, comm_id: Any) -> int:
         comms = self._driver.communicators
-        if isinstance(comm_id, bool) or not isinstance(comm_id, int) \
-                or not 0 <= comm_id < len(comms):
+        if isinstance(comm_id, bool) or not isinstance(comm_id, int):
+            hint = " (int(comm_id) converts it)" if hasattr(comm_id, "__index__") else ""
+            raise ValueError(f"comm_id must be an int, a communicator's ID, not "
+                            f"{type(comm_id).__module__}.{type(comm_id).__qualname__}{hint}"
+                            .replace("builtins.", ""))
+        if not 0 <= comm_id < len(comms):
             raise ValueError(f"unknown comm_id {comm_id!r}: this rank has communicators "
                              f"0..{len(comms) - 1}")
         return len(comms[comm_id][1].ranks)
