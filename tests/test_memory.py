@@ -549,3 +549,32 @@ def test_freeing_device_memory_does_not_scan_every_allocation() -> None:
     with pytest.raises(KeyError):
         memory.view(addresses[0], 8)
     assert memory.view(addresses[1], 8).nbytes == 8
+
+
+def test_a_buffer_of_a_closed_rank_says_so_when_synced() -> None:
+    """Once its rank closed (its device memory released), a Buffer's syncs raise,
+    instead of copying nothing, or another program's memory on a card; its host
+    elements stay readable. A call still outstanding when the world closes syncs its
+    result in as before: the rank releases its memory after its calls ended."""
+    import anyio
+
+    import aaccl
+
+    async def main() -> tuple[aaccl.Buffer, aaccl.Buffer]:
+        async with aaccl.open_world(2) as accls:
+            srcs = [a.allocate(4) for a in accls]
+            dsts = [a.allocate(4) for a in accls]
+            for a, s in zip(accls, srcs):
+                s[:] = a.rank + 1
+            calls = [a.allreduce(s, d, 4, aaccl.ReduceFunction.SUM)  # (awaited by closing)
+                     for a, s, d in zip(accls, srcs, dsts)]
+            for call in calls:
+                call._used = True  # (left to the world's closing on purpose)
+        return srcs[0], dsts[0]
+
+    src, dst = anyio.run(main)
+    assert dst.tolist() == [3.0] * 4  # synced in while the world closed
+    for sync in (src.sync_to_device, dst.sync_from_device, dst[1:3].sync_to_device):
+        with pytest.raises(RuntimeError, match="is closed: its device memory is released"):
+            sync()
+    assert src.tolist() == [1.0] * 4

@@ -179,6 +179,7 @@ class ACCL:
         self._orders: dict[int, Order] = {}
         self._members: dict[tuple[int, ...], Order] = {}
         self._closed = False
+        self._released = False  # its device closed: its buffers cannot sync any more
         self._departed = False  # told the other ranks it left (`_depart`)
         # progress a waiting task makes itself (the MPI fabric), see _bridge.wait
         self._poller: _bridge.Poller | None = driver.device.poller
@@ -217,6 +218,7 @@ class ACCL:
         self._closed = True
         with anyio.CancelScope(shield=True):
             await self._settle()
+            self._released = True
             await anyio.to_thread.run_sync(quietly(self._driver.close))
 
     # -- lifecycle: what aaccl's worlds (`open_world`, `run`), its test runner
@@ -283,6 +285,7 @@ class ACCL:
             return
         self._closed = True
         self._settle_blocking()
+        self._released = True
         self._driver.close()
 
     def _unfinished(self) -> tuple[str, ...]:

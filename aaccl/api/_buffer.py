@@ -57,17 +57,31 @@ class Buffer(np.ndarray):
     def sync_to_device(self) -> None:
         """Copy these host elements to device memory."""
         address = self.device_address
-        assert self._allocation is not None
-        self._allocation.device.write(address, np.asarray(self))
+        alloc = self._allocation
+        assert alloc is not None
+        if getattr(alloc.owner, "_released", False):
+            _released(alloc)
+        alloc.device.write(address, np.asarray(self))
 
     def sync_from_device(self) -> None:
         """Copy these elements from device memory into host memory."""
         address = self.device_address
-        assert self._allocation is not None
-        self._allocation.device.read(address, np.asarray(self))
+        alloc = self._allocation
+        assert alloc is not None
+        if getattr(alloc.owner, "_released", False):
+            _released(alloc)
+        alloc.device.read(address, np.asarray(self))
 
     def __reduce__(self) -> Any:  # a pickled Buffer is plain host data
         return np.asarray(self).copy().__reduce__()
+
+
+def _released(alloc: _Allocation) -> None:
+    """A sync of a buffer whose rank closed: its device memory is gone (a card's is
+    another program's by now), so nothing is copied, and the user hears why."""
+    raise RuntimeError(f"this buffer's rank, {alloc.owner!r}, is closed: its device memory "
+                       "is released, so the buffer can no longer be synced (its host "
+                       "elements are still readable as a numpy array)")
 
 
 def allocate(device: Device, owner: object, shape: int | tuple[int, ...],
