@@ -74,12 +74,16 @@ def quietly(fn: Callable[..., T]) -> Callable[..., T]:
     return run
 
 
+_waking: list[Any] = []  # [loop, reader, writer, worlds open] while installed
+
+
 @contextmanager
 def signals_wake_loop() -> Iterator[None]:
     """Meanwhile, a process signal wakes the running asyncio loop of the main thread,
     whichever thread took it, so that Python's handler runs at once (Ctrl-C cancels
     the program's main task). Through Python's wakeup file descriptor, where nobody
-    set one (asyncio's `add_signal_handler` and trio set theirs: they wake already)."""
+    set one (asyncio's `add_signal_handler` and trio set theirs: they wake already);
+    worlds open at once share it, and the last one to close takes it away."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:  # not asyncio (trio has its own)
@@ -87,33 +91,52 @@ def signals_wake_loop() -> Iterator[None]:
     if loop is None or threading.current_thread() is not threading.main_thread():
         yield
         return
+    if _waking and _waking[0] is loop:  # another world of this loop installed it
+        _waking[3] += 1
+        try:
+            yield
+        finally:
+            _waking[3] -= 1
+            if not _waking[3]:
+                _uninstall()
+        return
     reader, writer = socket.socketpair()
     reader.setblocking(False)
     writer.setblocking(False)
     try:
         loop.add_reader(reader.fileno(), _drain, reader)
-        watched = True
     except NotImplementedError:  # a loop without readers (Windows' proactor)
-        watched = False
-    previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False) \
-        if watched else 0
-    if previous != -1:  # someone's, or none to watch: leave it as it was
-        if watched:
-            signal.set_wakeup_fd(previous)
-            loop.remove_reader(reader.fileno())
         reader.close()
         writer.close()
         yield
         return
-    try:
-        yield
-    finally:
-        current = signal.set_wakeup_fd(-1)
-        if current != writer.fileno():  # someone set theirs since: theirs stays
-            signal.set_wakeup_fd(current)
+    previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    if previous != -1:  # someone's: it wakes the loop already, and stays
+        signal.set_wakeup_fd(previous)
         loop.remove_reader(reader.fileno())
         reader.close()
         writer.close()
+        yield
+        return
+    _waking[:] = [loop, reader, writer, 1]
+    try:
+        yield
+    finally:
+        _waking[3] -= 1
+        if not _waking[3]:
+            _uninstall()
+
+
+def _uninstall() -> None:
+    loop, reader, writer, _ = _waking
+    _waking.clear()
+    current = signal.set_wakeup_fd(-1)
+    if current != writer.fileno():  # someone set theirs since: theirs stays
+        signal.set_wakeup_fd(current)
+    if not loop.is_closed():
+        loop.remove_reader(reader.fileno())
+    reader.close()
+    writer.close()
 
 
 def _drain(reader: socket.socket) -> None:

@@ -467,3 +467,42 @@ def test_ctrl_c_taken_by_another_thread_still_ends_the_program_at_once(backend: 
                                  backend=backend)
     assert "KeyboardInterrupt" in err or code == -signal.SIGINT, err
     assert took < FAST, f"took {took:.1f} s: the loop slept through the signal"
+
+
+def test_worlds_open_at_once_share_the_signal_wakeup_and_the_last_removes_it() -> None:
+    """The wakeup that makes a Ctrl-C any thread takes wake the loop stays while any
+    world of the loop is open (the first to close does not take it from the other),
+    and is gone once the last closed; a program's own wakeup fd is left alone."""
+    import asyncio
+
+    def wakeup() -> int:
+        fd = signal.set_wakeup_fd(-1)
+        signal.set_wakeup_fd(fd)
+        return fd
+
+    async def main() -> list[bool]:
+        seen = []
+        first = aaccl.open_world(2)
+        await first.__aenter__()
+        seen.append(wakeup() != -1)
+        async with aaccl.open_world(2):
+            seen.append(wakeup() != -1)
+            await first.__aexit__(None, None, None)
+            seen.append(wakeup() != -1)  # the second world still wakes on signals
+        seen.append(wakeup() == -1)
+        return seen
+
+    assert asyncio.run(main()) == [True, True, True, True]
+    mine, theirs = __import__("socket").socketpair()
+    mine.setblocking(False)
+    signal.set_wakeup_fd(mine.fileno())
+    try:
+        async def own() -> None:
+            async with aaccl.open_world(2):
+                assert wakeup() == mine.fileno()
+        asyncio.run(own())
+        assert wakeup() == mine.fileno()
+    finally:
+        signal.set_wakeup_fd(-1)
+        mine.close()
+        theirs.close()
