@@ -97,6 +97,12 @@ async def check_usable(accls: list[aaccl.ACCL]) -> None:
 
 Case = tuple[str, Callable[[Env], Any], type]
 
+
+def _read_only(buf: aaccl.Buffer) -> aaccl.Buffer:
+    view = buf[:]  # (a view of it: the buffer itself stays writeable for other cases)
+    view.flags.writeable = False
+    return view
+
 CASES: list[Case] = [
     # count
     ("count-too-large-copy", lambda e: e.me.copy(e.f, e.g, 9), ValueError),
@@ -139,6 +145,9 @@ CASES: list[Case] = [
     ("comm-negative", lambda e: e.me.bcast(e.f, 4, 0, comm_id=-1), ValueError),
     ("comm-str", lambda e: e.me.send(e.f, 4, 1, comm_id="0"), ValueError),
     ("comm-numpy", lambda e: e.me.allreduce(e.f, e.g, 4, SUM, comm_id=np.int64(0)), ValueError),
+    # a result that could not come back to the host
+    ("rbuf-read-only", lambda e: e.me.allreduce(e.f, _read_only(e.g), 4, SUM), ValueError),
+    ("dst-read-only-copy", lambda e: e.me.copy(e.f, _read_only(e.g), 4), ValueError),
     ("comm-barrier", lambda e: e.me.barrier(comm_id=3), ValueError),
     ("comm-recv", lambda e: e.me.recv(e.f, 4, 1, comm_id=9), ValueError),
     # not a Buffer of this rank

@@ -356,6 +356,11 @@ class ACCL:
         public method calling this one)."""
         if self._closed:
             self._check_open()
+        if sync_out is not None and not sync_out.flags.writeable:
+            raise ValueError(f"{op}: the buffer that receives its result is read-only "
+                             "(writeable=False), so its result could not come back to the "
+                             "host: make it writeable, or pass to_fpga=True to leave the "
+                             "result in device memory")
         deps = () if type(waitfor) is tuple and not waitfor else check.waitfor(waitfor, self)
         submitted = time.perf_counter_ns() if _trace._active is not None else 0
         waits = [d._device for d in deps] if deps else []
