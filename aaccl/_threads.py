@@ -84,47 +84,49 @@ def signals_wake_loop() -> Iterator[None]:
     the program's main task). Through Python's wakeup file descriptor, where nobody
     set one (asyncio's `add_signal_handler` and trio set theirs: they wake already);
     worlds open at once share it, and the last one to close takes it away."""
+    shared = _share()
     try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:  # not asyncio (trio has its own)
-        loop = None
-    if loop is None or threading.current_thread() is not threading.main_thread():
         yield
-        return
-    if _waking and _waking[0] is loop:  # another world of this loop installed it
-        _waking[3] += 1
-        try:
-            yield
-        finally:
+    finally:
+        if shared:
             _waking[3] -= 1
             if not _waking[3]:
                 _uninstall()
-        return
+
+
+def _share() -> bool:
+    """Take a share of the wakeup of this thread's running loop, installing it if
+    nobody has; False where there is nothing to share (not asyncio, not the main
+    thread, a loop without readers, a wakeup fd of the program's own)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not asyncio (trio has its own)
+        return False
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if _waking:
+        if _waking[0] is loop:  # another world of this loop installed it
+            _waking[3] += 1
+            return True
+        _uninstall()  # a loop's that ended with its worlds open
     reader, writer = socket.socketpair()
     reader.setblocking(False)
     writer.setblocking(False)
     try:
         loop.add_reader(reader.fileno(), _drain, reader)
-    except NotImplementedError:  # a loop without readers (Windows' proactor)
+    except NotImplementedError:  # (Windows' proactor)
         reader.close()
         writer.close()
-        yield
-        return
+        return False
     previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
     if previous != -1:  # someone's: it wakes the loop already, and stays
         signal.set_wakeup_fd(previous)
         loop.remove_reader(reader.fileno())
         reader.close()
         writer.close()
-        yield
-        return
+        return False
     _waking[:] = [loop, reader, writer, 1]
-    try:
-        yield
-    finally:
-        _waking[3] -= 1
-        if not _waking[3]:
-            _uninstall()
+    return True
 
 
 def _uninstall() -> None:

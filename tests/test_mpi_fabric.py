@@ -351,18 +351,24 @@ def test_mismatched_collectives_fail_at_once_naming_both_sides(count: int) -> No
             r"ACCLError: rank [12] failed: CCLOError: allreduce", job.stderr), job.explain()
 
 
+def assert_aborted_at_once(job: Job, ranks: tuple[int, ...]) -> None:
+    """The job failed, and each of `ranks` reported a call that failed with Aborted
+    long before its timeout."""
+    assert job.returncode != 0, f"the job succeeded{job.explain()}"
+    faults = job.faults()
+    for rank in ranks:
+        assert rank in faults, f"rank {rank} reported no failed call{job.explain()}"
+        waited, kind, call = faults[rank]
+        assert kind == "Aborted", f"rank {rank}: {kind}{job.explain()}"
+        assert waited < TIMEOUT, f"rank {rank}'s {call} failed after {waited} s{job.explain()}"
+
+
 def test_a_rank_that_raises_tells_the_others_whose_calls_fail_at_once() -> None:
     """Rank 1's program raises: it leaves the world and says so, and the others'
     calls waiting for it (or for a rank that learned it) fail with Aborted, naming
     rank 1 and its error, long before their timeout."""
     job = launch(3, "faults.py", "quit", f"timeout={30 * TIMEOUT}", limit=FAULT_LIMIT)
-    assert job.returncode != 0, f"the job succeeded{job.explain()}"
-    faults = job.faults()
-    for rank in (0, 2):
-        assert rank in faults, f"rank {rank} reported no failed call{job.explain()}"
-        waited, kind, call = faults[rank]
-        assert kind == "Aborted", f"rank {rank}: {kind}{job.explain()}"
-        assert waited < TIMEOUT, f"rank {rank}'s {call} failed after {waited} s{job.explain()}"
+    assert_aborted_at_once(job, (0, 2))
     assert "rank 1 left the world: rank 1 raised RuntimeError: rank 1's own code gave up" \
         in job.stdout, job.explain()
     assert "RuntimeError: rank 1's own code gave up" in job.stderr, job.explain()
@@ -375,13 +381,7 @@ def test_a_rank_aborted_by_a_leaver_leaves_too() -> None:
     program raised does (it left without a word when its error was an Aborted), so
     rank 1's receive fails at once, naming the chain, not at its timeout."""
     job = launch(3, "faults.py", "relay", f"timeout={30 * TIMEOUT}", limit=FAULT_LIMIT)
-    assert job.returncode != 0, f"the job succeeded{job.explain()}"
-    faults = job.faults()
-    for rank in (0, 1):
-        assert rank in faults, f"rank {rank} reported no failed call{job.explain()}"
-        waited, kind, call = faults[rank]
-        assert kind == "Aborted", f"rank {rank}: {kind}{job.explain()}"
-        assert waited < TIMEOUT, f"rank {rank}'s {call} failed after {waited} s{job.explain()}"
+    assert_aborted_at_once(job, (0, 1))
     assert "rank 0 left the world: rank 0 raised Aborted" in job.stdout, job.explain()
     assert "RuntimeError: rank 2's own code gave up" in job.stderr, job.explain()
     assert job.seconds < 20, f"the failed job took {job.seconds:.1f} s to end{job.explain()}"
