@@ -316,3 +316,23 @@ def test_a_dropped_run_async_handle_of_the_compat_api_points_at_its_line() -> No
         rank.deinit()
     warned = [w for w in caught if "never awaited" in str(w.message)]
     assert [(w.filename, w.lineno) for w in warned] == [(__file__, line)]
+
+
+async def test_a_failure_that_fails_a_thousand_dropped_calls_is_logged_once(caplog) -> None:
+    """A loop of calls nobody awaited, on one buffer, whose first fails: each of the
+    others fails with it (they read what it was to write). One line says what failed,
+    not 1,000 (the first collected names it; the rest are not listed)."""
+    async with aaccl.open_world(2, timeout=0.2) as (_, b):
+        buf, out = b.allocate(4), b.allocate(4)
+        calls = [b.recv(buf, 4, 0)]  # never sent: times out
+        calls += [b.copy(buf, out, 4) for _ in range(1000)]
+        last, refs = calls[-1], [weakref.ref(c) for c in calls]
+        await wait_until(last.done)
+        with caplog.at_level(logging.ERROR, logger="aaccl"), recorded() as caught:
+            del calls, last
+            await collected(refs[0], caught)
+            assert all(ref() is None for ref in refs)  # (one collection took them all)
+    assert never_awaited(caught) == []
+    logged = [r.getMessage() for r in caplog.records if "nobody awaited" in r.getMessage()]
+    assert len(logged) == 1, logged[:3]
+    assert "recv (rank 1, call 1)" in logged[0] and "RECEIVE_TIMEOUT" in logged[0]

@@ -286,13 +286,28 @@ class Call:
         return f"<Call {self.name} {state}>"
 
     def __del__(self) -> None:
-        # One report per call. A failure is logged unless someone retrieved it (itself or
+        # One report per failure. A failure is logged unless someone retrieved it (itself or
         # through a dependent's DependencyError): the warning would add nothing. A call
         # that did not fail (or never finished) and was never used warns.
-        if self._error is not None:
-            # an Aborted call's world ended early: that cause is reported, not each call
-            if not self._retrieved and not isinstance(_root_cause(self._error), Aborted):
-                log.error("%s failed and nobody awaited it: %s", self.name, self._error)
+        error = self._error
+        if error is not None:
+            # an Aborted call's world ended early: that cause is reported, not each call;
+            # nor is every call that failed because one did (a loop of 10,000 calls
+            # after it): the first one collected says what failed, once for them all
+            root = _root_cause(error)
+            if self._retrieved or isinstance(root, Aborted) \
+                    or getattr(root, "_aaccl_logged", False):
+                return
+            if root is error or root is None:
+                log.error("%s failed and nobody awaited it: %s", self.name, error)
+            else:
+                log.error("%s failed and nobody awaited it: %s; the failure: %s (other "
+                          "calls that did not run because of it are not listed)",
+                          self.name, error, root)
+            try:
+                root._aaccl_logged = True  # type: ignore[union-attr]
+            except AttributeError:  # (an exception type without attributes of its own)
+                pass
         elif not self._used:
             # Where it is collected says nothing (often the device's thread): the warning
             # points at the line that made the call, as a coroutine's would at its await.
