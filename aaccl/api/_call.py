@@ -298,7 +298,7 @@ class Call:
             if self._retrieved or isinstance(root, Aborted) \
                     or getattr(root, "_aaccl_logged", False):
                 return
-            if root is error or root is None:
+            if root is error:
                 log.error("%s failed and nobody awaited it: %s", self.name, error)
             else:
                 log.error("%s failed and nobody awaited it: %s; the failure: %s (other "

@@ -266,7 +266,6 @@ class SoftDevice(Device):
         self.engine.post(call.admit, tuple(waitfor))
         return call
 
-
     def ready(self, call: SoftCall) -> None:
         """A call's dependencies are done: run it (in order: once it heads the queue,
         that is once every call admitted before it has ended)."""

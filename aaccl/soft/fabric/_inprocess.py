@@ -213,8 +213,7 @@ class _Meet(_RollCall):
     """A small allreduce meets its peers in shared memory (`Meeting`): the last to
     come computes everyone's result and ends their calls, and no message is sent.
     The roll call has compared the calls already: the meeting compares nothing.
-    One per port, for all its calls (what a call did is the call's: `call.met`), so
-    the same arguments decode to it once (`SoftDevice.remember`)."""
+    One per port, for all its calls: what a call did there is the call's (`call.met`)."""
 
     __slots__ = ()
 
