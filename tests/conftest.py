@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -56,6 +57,13 @@ def reference_inputs(rank: int, shape: int | tuple[int, ...], dtype: type,
     """Deterministic per-rank data that sums without overflow or rounding surprises."""
     rng = np.random.default_rng(seed * 1000 + rank)
     return rng.integers(-50, 50, size=shape).astype(dtype)
+
+
+async def wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> None:
+    """Wait (polling) until `predicate()` holds: a real condition, not a guess of time."""
+    with anyio.fail_after(timeout):
+        while not predicate():
+            await anyio.sleep(0.002)
 
 
 def on_device(buf: aaccl.Buffer) -> np.ndarray:

@@ -17,7 +17,7 @@ import pytest
 
 import aaccl
 from aaccl import CCLOError, DependencyError, ErrorCode, ReduceFunction
-from conftest import on_device, run_ranks
+from conftest import on_device, run_ranks, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -26,13 +26,6 @@ def filled(accl: aaccl.ACCL, values: np.ndarray) -> aaccl.Buffer:
     buf = accl.allocate(values.shape, values.dtype)
     buf[:] = values
     return buf
-
-
-async def wait_until(predicate, timeout: float = 5.0) -> None:
-    """Wait (polling) until `predicate()` holds: a real condition, not a guess of time."""
-    with anyio.fail_after(timeout):
-        while not predicate():
-            await anyio.sleep(0.002)
 
 
 # -- chains and graphs -------------------------------------------------------------------
@@ -657,8 +650,8 @@ async def test_blocking_wait_takes_its_timeout_as_threading_does_and_checks_it()
 
         assert await anyio.to_thread.run_sync(waits) == \
             ["TimeoutError", "TimeoutError", "ValueError", "TypeError", "TypeError"]
-        assert recv._wakers == []
+        assert not recv._wakers
         send = b.send(b.allocate(8), 8, 0, tag=3)
         await anyio.to_thread.run_sync(recv.wait, float("inf"))  # until it is done
         await send
-        assert recv.done() and recv._wakers == []
+        assert recv.done() and not recv._wakers

@@ -38,13 +38,6 @@ def message(i: int, count: int, dtype: type = np.float32) -> np.ndarray:
     return (np.arange(count) % 97 + 100 * i).astype(dtype)
 
 
-async def wait_until(predicate, timeout: float = 5.0) -> None:
-    """Wait (polling) until `predicate()` holds: a real condition, not a guess of time."""
-    with anyio.fail_after(timeout):
-        while not predicate():
-            await anyio.sleep(0.002)
-
-
 # -- data and dtypes ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)

@@ -27,16 +27,11 @@ import numpy as np
 import pytest
 
 import aaccl
+from conftest import wait_until
 from aaccl import CCLOError, DependencyError
 from aaccl import ReduceFunction as F
 
 pytestmark = pytest.mark.anyio
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    with anyio.fail_after(timeout):
-        while not predicate():
-            await anyio.sleep(0.002)
 
 
 @contextmanager
