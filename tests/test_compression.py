@@ -484,10 +484,10 @@ async def test_driver_marks_the_narrow_operands(operands: tuple[np.dtype | None,
         try:
             scenario = Scenario.COPY if operands[1] is None else Scenario.COMBINE
             count = 0  # nothing to move: only the encoding matters
-            driver.start(scenario, count=count, operand_dtypes=operands).wait(5)
+            driver.start(scenario, count=count, operand_dtypes=operands).block(5)
             driver.start(scenario, count=count, operand_dtypes=operands,
-                         compress_dtype=D16).wait(5)
-            driver.start(scenario, count=count, operand_dtypes=(D32, D32, D32)).wait(5)
+                         compress_dtype=D16).block(5)
+            driver.start(scenario, count=count, operand_dtypes=(D32, D32, D32)).block(5)
         finally:
             spy.remove()
         (_, mixed), (_, eth), (_, plain) = spy.seen
@@ -511,7 +511,7 @@ async def test_driver_rejects_mixes_without_a_config() -> None:
 
 
 def finished(driver: Driver, call: DeviceCall) -> Exception | None:
-    assert call.wait(5)
+    assert call.block(5)
     return driver.error(call, "call")
 
 

@@ -18,6 +18,8 @@ REFERENCE = (ROOT / "docs" / "reference.md").read_text()
 UNLISTED = {
     ("ACCL", "open"): "the constructor behind open_world, from a configured Driver",
     ("Call", "owner"): "an attribute: the ACCL that made the call",
+    **{("Call", name): "the device's outcome, an attribute (the class docstring says so)"
+       for name in ("args", "retcode", "aborted", "error", "detail", "started", "ended")},
     ("Kernel", "name"): "an attribute, given to ACCL.kernel",
 }
 """Public members the reference leaves out on purpose, and why."""

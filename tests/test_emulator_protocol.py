@@ -380,7 +380,7 @@ def args(tag: int, scenario: int = Scenario.NOP, **fields: int) -> CallArgs:
 
 def finish(*calls: DeviceCall, timeout: float = 5.0) -> None:
     for call in calls:
-        assert call.wait(timeout), f"{call.args} never completed"
+        assert call.block(timeout), f"{call.args} never completed"
 
 
 def free_port() -> int:

@@ -240,7 +240,7 @@ def test_in_sequence_succeeds_once_the_last_step_has() -> None:
     device, whole = Recording(), call(Scenario.ALLREDUCE, 3)
     steps = [call(Scenario.REDUCE, 1), call(Scenario.BCAST, 2)]
     result = in_sequence(device, whole, steps)  # type: ignore[arg-type]
-    assert result.wait(1) and not result.failed and result.args == whole
+    assert result.block(1) and not result.failed and result.args == whole
     assert device.started == steps and result.started
 
 
@@ -248,7 +248,7 @@ def test_in_sequence_fails_as_its_first_failed_step_and_runs_no_later_one() -> N
     device = Recording({2: int(ErrorCode.RECEIVE_TIMEOUT_ERROR)})
     steps = [call(Scenario.ALLREDUCE, 1), call(Scenario.REDUCE, 2), call(Scenario.BCAST, 3)]
     result = in_sequence(device, call(Scenario.ALLREDUCE, 6), steps)  # type: ignore[arg-type]
-    assert result.wait(1) and result.retcode == ErrorCode.RECEIVE_TIMEOUT_ERROR
+    assert result.block(1) and result.retcode == ErrorCode.RECEIVE_TIMEOUT_ERROR
     assert not result.aborted and device.started == steps[:2]
     error = Driver.error(result, "allreduce")
     assert isinstance(error, aaccl.CCLOError) and error.code == ErrorCode.RECEIVE_TIMEOUT_ERROR
@@ -260,7 +260,7 @@ def test_in_sequence_after_a_failed_dependency_never_runs() -> None:
     device = Recording()
     result = in_sequence(device, call(Scenario.BCAST, 2),  # type: ignore[arg-type]
                                  [call(Scenario.BCAST, 1), call(Scenario.BCAST, 1)], [failed])
-    assert result.wait(1) and result.aborted and device.started == []
+    assert result.block(1) and result.aborted and device.started == []
     assert isinstance(Driver.error(result, "bcast"), aaccl.DependencyError)
 
 

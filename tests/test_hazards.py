@@ -501,7 +501,7 @@ def test_on_the_emulator_protocol_a_hazard_is_a_dependency_resolved_on_the_host(
         await produce
         np.testing.assert_array_equal(dst, np.arange(n))
         copies = [waitfor for args, waitfor in seen if args.scenario == Scenario.COPY]
-        assert copies == [[held._device], [produce._device], []]
+        assert copies == [[held], [produce], []]
         return [(b.device_address, c.device_address) for b, c in
                 [(src, other), (src, mid), (mid, dst)]]
 

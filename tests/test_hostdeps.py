@@ -215,11 +215,11 @@ def test_a_job_never_waits_for_workers_that_blocked_jobs_hold(jobs: HostJobs) ->
     blocked = [jobs.run(lambda: release.wait(30)) for _ in range(2 * JOB_WORKERS)]
     try:
         transfer = jobs.run(lambda: None)
-        assert transfer.wait(10) and not transfer.failed  # while all 16 still block
+        assert transfer.block(10) and not transfer.failed  # while all 16 still block
         assert not any(call.done() for call in blocked)
     finally:
         release.set()
-    assert all(call.wait(10) and not call.failed for call in blocked)
+    assert all(call.block(10) and not call.failed for call in blocked)
 
 
 def test_a_job_waiting_for_one_submitted_after_many_blocked_jobs_finishes(
@@ -229,10 +229,10 @@ def test_a_job_waiting_for_one_submitted_after_many_blocked_jobs_finishes(
     try:
         waiting = jobs.run(lambda: first.wait(30) and second.set())
         setting = jobs.run(first.set)
-        assert setting.wait(10) and waiting.wait(10) and second.is_set()
+        assert setting.block(10) and waiting.block(10) and second.is_set()
     finally:
         release.set()
-    assert all(call.wait(10) for call in blocked)
+    assert all(call.block(10) for call in blocked)
 
 
 def test_workers_are_reused_and_idle_ones_beyond_the_keep_end(jobs: HostJobs) -> None:
@@ -245,7 +245,7 @@ def test_workers_are_reused_and_idle_ones_beyond_the_keep_end(jobs: HostJobs) ->
 
     burst = [jobs.run(job) for _ in range(3 * JOB_WORKERS)]
     release.set()
-    assert all(call.wait(10) for call in burst)
+    assert all(call.block(10) for call in burst)
     assert len(ran_on) == 3 * JOB_WORKERS  # one thread each while they all blocked
     deadline = time.monotonic() + 10  # the extras end once they find the queue empty
     while len(workers()) > JOB_WORKERS and time.monotonic() < deadline:
@@ -253,7 +253,7 @@ def test_workers_are_reused_and_idle_ones_beyond_the_keep_end(jobs: HostJobs) ->
     assert len(workers()) <= JOB_WORKERS
     again: list[int] = []
     for _ in range(50):  # one at a time: an idle worker takes each, no new thread
-        assert jobs.run(lambda: again.append(threading.get_ident())).wait(10)
+        assert jobs.run(lambda: again.append(threading.get_ident())).block(10)
     assert set(again) <= ran_on
 
 
@@ -272,7 +272,7 @@ def test_a_chain_of_jobs_runs_on_one_thread(jobs: HostJobs) -> None:
         last = jobs.run(link, [last])
     fan = [jobs.run(link, [last]) for _ in range(3)]  # one keeps the thread, two go
     go.set()
-    assert all(call.wait(10) and not call.failed for call in fan)
+    assert all(call.block(10) and not call.failed for call in fan)
     assert len(set(ran_on[:21])) == 1
     assert len(ran_on) == 24
 
@@ -281,12 +281,12 @@ def test_closing_refuses_new_jobs_runs_ready_ones_and_ends_every_worker() -> Non
     jobs = HostJobs("closing-jobs")
     release = threading.Event()
     running = [jobs.run(lambda: release.wait(30)) for _ in range(3)]
-    assert jobs.run(lambda: None).wait(10)
+    assert jobs.run(lambda: None).block(10)
     jobs.close()
     refused = jobs.run(lambda: None)
-    assert refused.wait(10) and "closed" in str(refused.error)
+    assert refused.block(10) and "closed" in str(refused.error)
     release.set()
-    assert all(call.wait(10) and not call.failed for call in running)
+    assert all(call.block(10) and not call.failed for call in running)
     for thread in workers("closing-jobs"):
         thread.join(10)
         assert not thread.is_alive()
@@ -299,8 +299,8 @@ def test_a_raising_job_fails_its_call_with_its_exception(jobs: HostJobs) -> None
         raise error
 
     call = jobs.run(job)
-    assert call.wait(10) and call.error is error
-    assert jobs.run(lambda: None).wait(10)  # the worker lives on
+    assert call.block(10) and call.error is error
+    assert jobs.run(lambda: None).block(10)  # the worker lives on
 
 
 # -- Heap ----------------------------------------------------------------------------------

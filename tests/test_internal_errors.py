@@ -78,7 +78,7 @@ async def test_a_raising_callback_loses_no_dependent_start(
     async with aaccl.open_world(2, timeout=5) as (a, b):
         buf, out = a.allocate(4), b.allocate(4)
         received = a.recv(buf, 4, 1)
-        received._device.add_done_callback(broken)  # before the kernel's start, below
+        received.add_done_callback(broken)  # before the kernel's start, below
         doubled = a.kernel(lambda x: np.multiply(x, 2, out=x))(buf, waitfor=[received])
         out[:] = [1, 2, 3, 4]
         with anyio.fail_after(5):

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import random
 import threading
+import weakref
+from collections.abc import Callable
 
 import anyio
 import numpy as np
 import pytest
 
 import aaccl
-from aaccl import TAG_ANY, ACCLError, ReduceFunction
+from aaccl import TAG_ANY, ACCLError, ReduceFunction, StreamFlags
 from aaccl.soft.fabric._matching import PostedRecv, Stream, _Queue
 from aaccl.soft.fabric._message import Message
+from conftest import wait_until
 
 MiB = 1 << 20
 NBUFS, BUFSIZE = 16, 256
@@ -419,6 +422,47 @@ async def test_records_end_with_their_collectives() -> None:
             assert rx_free(accl) == NBUFS
 
 
+# -- a finished call ----------------------------------------------------------------------------
+
+@pytest.mark.anyio
+async def test_a_finished_call_is_held_by_nothing_once_dropped() -> None:
+    """A call is one object from the device to the user: once it ended and the user
+    let go of it, nothing keeps it (no device's last call, no stream's turn, no
+    message order's last collective), so its memory goes and an unused one warns
+    at once. Every kind of call, each one's last reference dropped in turn."""
+    # (a device thread that completed a call lets go once its job returned: waited for)
+    async with aaccl.open_world(2, timeout=5) as (a, b):
+        src, dst = a.allocate(8, np.float32), a.allocate(16, np.float32)
+        peer_src, peer_dst = b.allocate(8, np.float32), b.allocate(16, np.float32)
+        stream = StreamFlags.RES_STREAM
+
+        sum_ = ReduceFunction.SUM
+        makers: list[Callable[[], tuple[aaccl.Call, aaccl.Call | None]]] = [
+            lambda: (a.nop(), None),
+            lambda: (a.copy(src, dst, 8), None),
+            lambda: (a.combine(8, sum_, src, src, dst), None),
+            lambda: (a.copy(src, dst, 8, stream_flags=stream), None),
+            lambda: (a.copy(src, dst, 8, stream_flags=StreamFlags.OP0_STREAM), None),
+            lambda: (a.kernel(lambda x: None)(src), None),
+            lambda: (a.sync_to_device(src), None),
+            lambda: (a.send(src, 8, 1, tag=4), b.recv(peer_src, 8, 0, tag=4)),
+            lambda: (a.allreduce(src, dst, 1, sum_), b.allreduce(peer_src, peer_dst, 1, sum_)),
+            lambda: (a.allreduce(src, dst, 8, sum_), b.allreduce(peer_src, peer_dst, 8, sum_)),
+            lambda: (a.bcast(src, 8, 0), b.bcast(peer_src, 8, 0)),
+            lambda: (a.allgather(src, dst, 8), b.allgather(peer_src, peer_dst, 8)),
+            lambda: (a.barrier(), b.barrier()),
+        ]
+
+        for make in makers:
+            mine, theirs = make()
+            await mine
+            if theirs is not None:
+                await theirs
+            gone = weakref.ref(mine)
+            del mine, theirs
+            await wait_until(lambda: gone() is None)
+
+
 # -- a call's wakers ---------------------------------------------------------------------------
 
 @pytest.mark.anyio
@@ -431,11 +475,11 @@ async def test_cancelled_awaits_leave_no_waker() -> None:
         for _ in range(20_000):
             with anyio.move_on_after(0):
                 await recv
-            assert len(recv._wakers) == 0
+            assert not recv._wakers
         for _ in range(50):
             with pytest.raises(TimeoutError):
                 await anyio.to_thread.run_sync(recv.wait, 0.0001)
-        assert len(recv._wakers) == 0
+        assert not recv._wakers
         # two tasks await it at once; one gives up, the other still wakes
         woke = threading.Event()
 
@@ -450,7 +494,7 @@ async def test_cancelled_awaits_leave_no_waker() -> None:
             src = a.allocate(4, np.float32)
             src[:] = 3
             await a.send(src, 4, 1, tag=1)
-        assert woke.is_set() and recv._wakers == []
+        assert woke.is_set() and not recv._wakers
         np.testing.assert_array_equal(dst, 3)
 
 
@@ -463,7 +507,7 @@ async def test_100000_cancelled_awaits_leave_no_waker() -> None:
         for _ in range(100_000):
             with anyio.move_on_after(0):
                 await recv
-        assert len(recv._wakers) == 0
+        assert not recv._wakers
         src = a.allocate(4, np.float32)
         await a.send(src, 4, 1, tag=1)
         await recv

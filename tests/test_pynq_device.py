@@ -72,7 +72,7 @@ def driver_on(device: PynqDevice, size: int = 1, **options: Any) -> Driver:
 
 
 def done(call: DeviceCall) -> DeviceCall:
-    assert call.wait(5), "the call did not complete"
+    assert call.block(5), "the call did not complete"
     return call
 
 

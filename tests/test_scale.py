@@ -34,6 +34,7 @@ import pytest
 import aaccl
 from aaccl import (TAG_ANY, ACCLError, CCLOError, DependencyError, ErrorCode, KernelError,
                    ReduceFunction)
+from aaccl.api._call import outcome
 from aaccl.devices import DeviceCall
 from conftest import on_device, run_ranks
 
@@ -142,13 +143,23 @@ def test_a_failed_chain_of_100000_calls_reports_its_root_without_recursion(caplo
     """No engine here: device calls completed by hand, one after the other, so this
     checks only what `Call` does per chained call (retrieving, causes, collection)."""
     n = 100_000
-    devices = [DeviceCall(None) for _ in range(n + 1)]
-    calls = [aaccl.Call("head", None, devices[0], (), None)]
-    for i, device in enumerate(devices[1:]):
-        calls.append(aaccl.Call(f"call {i}", None, device, (calls[-1],), None))
-    devices[0].complete(error=ValueError("the root"))
-    for device in devices[1:]:
-        device.complete(aborted=True)
+
+    class Rank:  # what adopts the calls: their outcome as a rank works it out
+        _poller = None
+        _outcome = staticmethod(outcome)
+
+    def adopted(name: str, deps: tuple[aaccl.Call, ...]) -> aaccl.Call:
+        call = DeviceCall(None)
+        call._adopt(rank, name, deps, None, None, (), None)
+        return call
+
+    rank = Rank()
+    calls = [adopted("head", ())]
+    for i in range(n):
+        calls.append(adopted(f"call {i}", (calls[-1],)))
+    calls[0].complete(error=ValueError("the root"))
+    for call in calls[1:]:
+        call.complete(aborted=True)
     last = calls[-1]
     with pytest.raises(DependencyError, match=f"call {n - 1} did not run: call {n - 2} failed") \
             as failed:
@@ -159,7 +170,7 @@ def test_a_failed_chain_of_100000_calls_reports_its_root_without_recursion(caplo
     assert calls[n // 2].exception().__cause__ is root
     assert len(traceback.format_exception(failed.value)) < 40  # printing does not recurse
     with caplog.at_level(logging.ERROR, logger="aaccl"):
-        del calls, failed, root
+        del calls, failed, root, call
         del last  # the last reference to a chain 100,000 deep
         gc.collect()
     assert [r for r in caplog.records if "nobody awaited" in r.getMessage()] == []

@@ -99,7 +99,7 @@ def test_over_tcp_and_udp_barrier_and_alltoall_fail_at_once_and_reach_no_card(
         assert isinstance(error, DeviceError)
         assert f"cannot run {scenario.name.lower()} over a {stack} stack" in str(error)
     assert not fake.runs(Scenario.BARRIER) and not fake.runs(Scenario.ALLTOALL)
-    assert on_card.start(Scenario.NOP).wait(5)  # the card is none the worse
+    assert on_card.start(Scenario.NOP).block(5)  # the card is none the worse
 
 
 def test_over_rdma_they_reach_the_card(card: tuple[Fake, Callable[..., Driver]]) -> None:
@@ -107,7 +107,7 @@ def test_over_rdma_they_reach_the_card(card: tuple[Fake, Callable[..., Driver]])
     on_card = driver(stack="rdma")
     assert on_card.max_eager_size == 1024
     call = on_card.start(Scenario.BARRIER, dtype=F32)
-    assert call.wait(5) and not call.failed
+    assert call.block(5) and not call.failed
     assert len(fake.runs(Scenario.BARRIER)) == 1
 
 
@@ -118,7 +118,7 @@ def test_a_driver_without_a_stack_keeps_its_old_threshold(
     fake, driver = card
     on_card = driver()
     assert on_card.max_eager_size == 1024 * max(1, 4 // 4)
-    assert on_card.start(Scenario.BARRIER, dtype=F32).wait(5)
+    assert on_card.start(Scenario.BARRIER, dtype=F32).block(5)
     assert len(fake.runs(Scenario.BARRIER)) == 1
 
 

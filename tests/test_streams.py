@@ -380,7 +380,7 @@ async def test_calls_that_the_firmware_runs_without_streams() -> None:
                                     stream_flags=int(OP0),
                                     addrs=(buf.device_address, 0, buf.device_address))
             for call in (bcast, alltoall):
-                assert await anyio.to_thread.run_sync(call.wait, 5.0)
+                assert await anyio.to_thread.run_sync(call.block, 5.0)
             buf.sync_from_device()
             np.testing.assert_array_equal(buf, values(0, 4))
             return bcast.retcode, alltoall.retcode

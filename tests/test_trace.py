@@ -99,19 +99,23 @@ def test_trace_plot_reports_a_bad_file(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_a_calls_end_is_stamped_before_its_owner_is_told() -> None:
-    """The trace's end of a device call is when its outcome was set, not when a
-    done-callback ran: those run after the owner (the API's Call) woke its task,
-    which may already have returned from its await."""
+    """The trace's end of a call is when the device set its outcome, not when a
+    done-callback ran: those run after its owner (the rank) made it the call's error
+    and the call woke its task, which may already have returned from its await."""
     from aaccl.devices import DeviceCall
 
     told: list[tuple[int, int]] = []
 
     class Owner:
-        def _completed(self, dev: DeviceCall) -> None:
+        _poller = None
+
+        @staticmethod
+        def _outcome(dev: DeviceCall) -> None:
             told.append((dev.ended, time.perf_counter_ns()))
 
     dev = DeviceCall(None)
-    dev.own(Owner())
+    dev._adopt(Owner(), "call", (), lambda: None, None, (), None)  # (a sync: work for its owner)
+    dev._used = True
     dev.add_done_callback(lambda d: told.append((d.ended, time.perf_counter_ns())))
     before = time.perf_counter_ns()
     dev.complete()

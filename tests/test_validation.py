@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import aaccl
+from aaccl.devices import DeviceCall
 from aaccl import ReduceFunction
 
 SUM = ReduceFunction.SUM
@@ -204,7 +205,7 @@ CASES: list[Case] = [
     # waitfor
     ("waitfor-object", lambda e: e.me.nop(waitfor=[object()]), TypeError),
     ("waitfor-int", lambda e: e.me.copy(e.f, e.g, 4, waitfor=[e.my_call, 5]), TypeError),
-    ("waitfor-device-call", lambda e: e.me.nop(waitfor=[e.my_call._device]), TypeError),
+    ("waitfor-device-call", lambda e: e.me.nop(waitfor=[DeviceCall(None)]), TypeError),
     ("waitfor-none", lambda e: e.me.allreduce(e.f, e.g, 4, SUM, waitfor=None), TypeError),
     ("waitfor-one-call", lambda e: e.me.nop(waitfor=e.my_call), TypeError),
     ("waitfor-int-alone", lambda e: e.me.bcast(e.f, 4, 0, waitfor=3), TypeError),

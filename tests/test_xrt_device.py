@@ -69,7 +69,7 @@ def args(scenario: Scenario, count: int = 0, **fields: int) -> CallArgs:
 
 def finish(*calls: DeviceCall) -> None:
     for call in calls:
-        assert call.wait(5), f"{call.args} never completed"
+        assert call.block(5), f"{call.args} never completed"
 
 
 class RecordingDevice(Device):

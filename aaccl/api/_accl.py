@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, cast
 
 import anyio
@@ -24,7 +24,7 @@ from ..driver import Driver
 from . import _bridge
 from . import _checks as check
 from ._buffer import Buffer, allocate
-from ._call import Call
+from ._call import Call, outcome
 from ._hazards import Hazards, Span
 from ._kernel import Kernel, attach_stream, on_card
 from ._tasks import Order, asyncio_task, check_race, current_task
@@ -229,7 +229,7 @@ class ACCL:
         """Wait until every outstanding call has ended; abort at once those whose
         await was cancelled (`wait_for`, a timeout scope): nobody waits for them."""
         with self._lock:
-            given_up = [c._device for c in self._outstanding if c._given_up]
+            given_up = [c for c in self._outstanding if c._given_up]
         if given_up:
             self._driver.device.abort_calls(
                 given_up, "its await was cancelled and its rank left the world")
@@ -277,7 +277,7 @@ class ACCL:
         with self._lock:
             pending = list(self._outstanding)
         for call in pending:
-            call._block()
+            call.block()
 
     def _close_blocking(self) -> None:
         """aclose for a thread without an event loop (aaccl.compat)."""
@@ -363,7 +363,7 @@ class ACCL:
                              "result in device memory")
         deps = () if type(waitfor) is tuple and not waitfor else check.waitfor(waitfor, self)
         submitted = time.perf_counter_ns() if _trace._active is not None else 0
-        waits = [d._device for d in deps] if deps else []
+        waits: list[DeviceCall] = list(deps) if deps else []
         hazards: tuple[Call, ...] = ()
         book = self._hazards  # (its dicts read directly: bool(book) would be a call)
         if (reads or writes) and (book._regions or book._lone) and book.uses(reads, writes):
@@ -391,11 +391,11 @@ class ACCL:
             task = asyncio_task(loop) if loop is not None else current_task()
             order = self._orders.get(comm_id) or self._message_order(comm_id)
             last = order.last
-            if last is not None and last[1] is not task:
-                seen = last[3]()  # (None: dropped, so settled or never to be seen)
-                if not last[0]._settled or (seen is not None and not seen._seen):
-                    check_race(order, result, deps, task)
-            order.last = (device_call, task, result._name, _weakref(result))
+            if last is not None and last[0] is not task:
+                before = last[2]()  # (None: dropped, so ended and never to be seen)
+                if before is not None and (not before._settled or not before._seen):
+                    check_race(order, result, before, deps, task)
+            order.last = (task, result._name, _weakref(result))
         return result
 
     def _message_order(self, comm_id: int) -> Order:
@@ -441,7 +441,7 @@ class ACCL:
             if not writers and _holds(device, span[0][1], data):
                 continue  # readers only, and they read these very bytes
             job = _write_later(device, span[0][1], data.copy())
-            waits.append(device.run(job, [c._device for c in users]))
+            waits.append(device.run(job, users))
             synced += span
             found += users
         conflicting = dict.fromkeys(found)
@@ -451,7 +451,7 @@ class ACCL:
             if out is not None and _overlap(out, written):
                 waits.append(_completion(call))
             elif call not in deps:
-                waits.append(call._device)
+                waits.append(call)
         return tuple(c for c in conflicting if c not in deps), tuple(synced)
 
     def _track(self, op: str, engine: str, device_call: DeviceCall, deps: tuple[Call, ...],
@@ -466,12 +466,10 @@ class ACCL:
         on_done: Callable[[Call], None] = self._forget
         if trace is not None:
             record = self._record(trace, op, engine, device_call, submitted)
-            if device_call._callbacks is None:
+
+            def on_done(call: Call) -> None:  # recorded before anyone is woken
                 record(device_call)
-            else:  # recorded before anyone is woken: a span is in the trace once awaited
-                def on_done(call: Call) -> None:
-                    record(device_call)
-                    self._forget(call)
+                self._forget(call)
         name = (op, self._rank, self._ncalls, where)  # formatted if ever read
         # Where the user made the call, for its never-awaited warning: `depth` frames
         # up (3: _track <- _submit, _transfer or _run_kernel <- nop, sync_to_device or
@@ -483,12 +481,14 @@ class ACCL:
         while "_API_LAYER" in frame.f_globals:
             frame = frame.f_back  # type: ignore[assignment]  # the user's is further up
         origin = (frame.f_code, frame.f_lasti, frame.f_globals)
-        if device_call._callbacks is None:  # ended on the spot (a nop, a failure): not tracked
-            result = Call(name, self, device_call, deps + hazards, finish, None, buffers, origin)
+        result = device_call  # the rank's from now on: one object from device to user
+        if not result._adopt(self, name, deps + hazards, finish, on_done, buffers, origin):
+            # ended on the spot (a nop, the last rank of a meeting, a failure): not tracked
+            if trace is not None:
+                record(device_call)
             if hazards:  # nobody has seen its error yet
                 self._explain(result, hazards)
             return result
-        result = Call(name, self, device_call, deps + hazards, finish, on_done, buffers, origin)
         with self._lock:
             finished = result._finished
             if not finished:
@@ -519,6 +519,13 @@ class ACCL:
                       failed=dev.failed, **extra)
 
         return completed
+
+    _outcome = staticmethod(outcome)  # (what a call's device outcome means: Call's owner)
+
+    def _wait(self, call: Call) -> Awaitable[None]:
+        """Wait for `call` where asyncio's future cannot: on trio, or polling the
+        device (`_bridge.wait`)."""
+        return _bridge.wait(call._register, self._poller, call._forget, call)
 
     def _forget(self, call: Call) -> None:
         with self._lock:
@@ -577,7 +584,7 @@ class ACCL:
                         if isinstance(a, Buffer))
         submitted = time.perf_counter_ns() if _trace.active() is not None else 0
         spans = _spans(*((b, b.size) for b in buffers))  # a kernel may read and write each
-        waits = [d._device for d in deps]
+        waits: list[DeviceCall] = list(deps)
         hazards = self._order(deps, waits, (), spans)[0] if self._hazards else ()
         device_call = kernel._start(self._driver.device, args, kwargs, waits)
         return self._track(f"kernel {kernel.name}", "kernel", device_call, deps, submitted,
@@ -602,7 +609,7 @@ class ACCL:
         submitted = time.perf_counter_ns() if _trace.active() is not None else 0
         spans = _spans((region, region.size))
         reads, writes = ((), spans) if to_device else (spans, ())
-        waits = [d._device for d in deps]
+        waits: list[DeviceCall] = list(deps)
         hazards = self._order(deps, waits, reads, writes)[0] if self._hazards else ()
         device_call = self._driver.device.run(lambda: move(region), waits)
         return self._track(op, "dma", device_call, deps, submitted, buffers=(region,),

@@ -193,6 +193,9 @@ def waitfor(calls: Iterable[Any], owner: object) -> tuple[Call, ...]:
     for call in out:
         if not isinstance(call, Call):
             raise TypeError(f"waitfor takes Calls, not {type(call).__name__}")
+        if call.owner is None:
+            raise TypeError(f"waitfor takes the Calls a rank returned, not a device's own "
+                            f"call ({call.name})")
         if call.owner is not owner:
             raise ValueError(f"{call.name} belongs to another rank: a call can only wait for "
                              "calls of its own rank")

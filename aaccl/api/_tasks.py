@@ -24,7 +24,6 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ..devices import DeviceCall
 from ._call import warn_at
 
 if TYPE_CHECKING:
@@ -59,9 +58,9 @@ def task_name(task: object) -> str:
 
 class Order:
     """One message order of a rank: the communicators with the same members share it.
-    `last`: the last collective issued on it, as (its device call, the task that
-    issued it, its Call's name, a weak reference to its Call); `warned`: the race on it
-    was reported.
+    `last`: the last collective issued on it, as (the task that issued it, its Call's
+    name, a weak reference to its Call: a dropped call has ended, and will never be
+    seen to); `warned`: the race on it was reported.
 
     Another task's collective is ordered after the last one on every rank only if that
     one's task had seen it end (awaited it) or the new one waits for it: a call that
@@ -75,17 +74,17 @@ class Order:
 
     def __init__(self, comm_id: int) -> None:
         self.comm_ids = [comm_id]
-        self.last: tuple[DeviceCall, object, Any, Any] | None = None
+        self.last: tuple[object, Any, Any] | None = None
         self.warned = False
 
 
-def waits_for(call: Call, target: DeviceCall) -> bool:
+def waits_for(call: Call, target: Call) -> bool:
     """Whether `call` waits for `target`, through its `waitfor` and theirs."""
     seen: set[int] = set()
     todo = list(call._deps)
     while todo:
         dep = todo.pop()
-        if dep._device is target:
+        if dep is target:
             return True
         if id(dep) not in seen:
             seen.add(id(dep))
@@ -102,16 +101,16 @@ def unranked(name: Any) -> str:
     return f"{op} (call {number}{where})"
 
 
-def check_race(order: Order, result: Call, deps: tuple[Call, ...],
+def check_race(order: Order, result: Call, before: Call, deps: tuple[Call, ...],
                task: object) -> None:
     """`result`, a collective `task` issued on `order`, follows a collective another
     task issued there that is still outstanding or not yet awaited: warn (once per
     order) unless `result` waits for it (`deps`: its `waitfor`)."""
     assert order.last is not None
-    before, other, before_name, _ = order.last
+    other, before_name, _ = order.last
     if order.warned:
         return
-    if any(d._device is before for d in deps) or any(waits_for(d, before) for d in deps):
+    if any(d is before for d in deps) or any(waits_for(d, before) for d in deps):
         return  # chained: issued after it on every rank
     order.warned = True
     comms = sorted(order.comm_ids)

@@ -1,5 +1,7 @@
-"""Devices: what a CCLO looks like to the driver (see `Device`)."""
+"""Devices: what a CCLO looks like to the driver (see `Device`), and the `Call` each
+of its calls is, from the device to the task awaiting it."""
 
-from ._base import CallArgs, Device, DeviceCall
+from ._base import Device, DeviceCall
+from ._call import Call, CallArgs
 
-__all__ = ["CallArgs", "Device", "DeviceCall"]
+__all__ = ["Call", "CallArgs", "Device", "DeviceCall"]

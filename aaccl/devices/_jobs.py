@@ -106,6 +106,8 @@ class HostJobs:
                 _complete(call, error)
             finally:
                 claimed, local.spare = not local.spare, False
+                # the call is its user's: not kept while this worker waits for the next
+                del call, job, error
 
     def close(self) -> None:
         """Refuse new jobs; jobs already ready still run, then every worker ends."""

@@ -221,7 +221,7 @@ class Driver:
     def _config_call(self, function: ConfigFunction, value: int = 0) -> None:
         call = self.device.start(CallArgs(Scenario.CONFIG, value, 0, 0, int(function), TAG_ANY,
                                           0, 0, 0, 0, 0, 0))
-        if not call.wait(CONFIG_TIMEOUT):
+        if not call.block(CONFIG_TIMEOUT):
             raise TimeoutError(f"the CCLO did not answer config {function.name} "
                                f"within {CONFIG_TIMEOUT} s")
         error = self.error(call, f"config {function.name.lower()}")

@@ -8,7 +8,6 @@ fabric's progress engine (`_engine`); their life is in `_calls`.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Hashable, Sequence
 
@@ -20,6 +19,7 @@ from .._errors import Aborted, DeviceError
 from ..devices import CallArgs, Device, DeviceCall
 from ..devices._jobs import HostJobs, Job
 from ._calls import KINDS, CallFailed, Comm, SoftCall, make_call
+from ._calls._state import describe_call
 from ._datapath import Datapath, UnsupportedConfig
 from ._memory import DeviceMemory
 from ._streams import StreamKernel, StreamPorts
@@ -47,8 +47,6 @@ class SoftDevice(Device):
         self.exchmem = np.zeros(xm.SIZE // 4, np.uint32)
         self.exchmem[xm.HWID // 4] = HWID
         self.memory = DeviceMemory()
-        self._nop_done = DeviceCall(None)  # what a nop with nothing to wait for returns
-        self._nop_done.complete(0)
         self.views: dict[tuple[int, np.dtype, int], np.ndarray] = {}  # kept: see `array`
         self.timeout = 1.0
         self.max_eager_size = 0
@@ -63,7 +61,7 @@ class SoftDevice(Device):
         self._jobs = HostJobs(f"soft-cclo-{session}")
         self.streams = StreamPorts(self._jobs.run, self.engine.post)
         self.closed = False
-        self.last: SoftCall | None = None  # the last call admitted (for `activity`)
+        self.last: CallArgs | None = None  # the last call admitted (for `activity`)
         self.gone: dict[int, str] = {}  # peers (sessions) that left the world, and why
         port.watch(lambda: bool(self.calls))  # (the MPI fabric naps while we have no calls)
         self.gone_lane: dict[int, int] = {}  # ... and how far MPI ran their collectives
@@ -81,7 +79,7 @@ class SoftDevice(Device):
         behind another call, that call: the one to look at."""
         calls = list(self.calls)
         if not calls:
-            last = "" if self.last is None else f" (its last: {self.last.describe()})"
+            last = "" if self.last is None else f" (its last: {describe_call(self.last)})"
             return "has no call outstanding" + last
         queue = self.queue
         if self.in_order and queue:
@@ -256,11 +254,9 @@ class SoftDevice(Device):
             refused.complete(error=DeviceError("the soft CCLO is closed"))
             return refused
         if args.scenario == Scenario.NOP and not waitfor and not self.in_order:
-            # nothing to wait for: done on the spot, and every such nop is alike
+            # nothing to wait for: done on the spot
             self.exchmem[xm.RETCODE // 4] = 0
-            done = self._nop_done
-            done.started = done.ended = time.perf_counter_ns()
-            return done
+            return DeviceCall(args, done=True)
         kind = KINDS.get(args.scenario)
         call = make_call(self, args) if kind is None else kind(self, args)
         self.engine.post(call.admit, tuple(waitfor))

@@ -18,6 +18,7 @@ the device's workers one packet at a time, in order.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -107,6 +108,11 @@ class StreamRead(Wait):
                 f"stream, which holds {self.ports.held} ({self.ports.describe()})")
 
 
+def _nobody() -> None:
+    """No call yet: what a dead weak reference says."""
+    return None
+
+
 class StreamPorts:
     """One rank's kernel streams: the CCLO's output (`emit`) and input (`read`)."""
 
@@ -121,7 +127,9 @@ class StreamPorts:
         self._queue: deque[tuple[np.ndarray, int, StreamKernel, str]] = deque()
         self._busy = False  # the kernel runs on a packet now
         self._failed: KernelError | None = None  # for the next read
-        self._last: DeviceCall | None = None  # the last call admitted that uses the streams
+        # the last call admitted that uses the streams (weakly: the user's, collected
+        # once dropped; a collected one has ended)
+        self._last: Callable[[], DeviceCall | None] = _nobody
         self.closed = False
 
     def describe(self) -> str:
@@ -135,7 +143,7 @@ class StreamPorts:
         """Calls that use the streams run one at a time, in submission order, as every
         call does on a card: a dependency that is done once the previous such call has
         ended, however it ended (None if it has)."""
-        previous, self._last = self._last, handle
+        previous, self._last = self._last(), weakref.ref(handle)
         if previous is None or previous.done():
             return None
         done = DeviceCall(None)

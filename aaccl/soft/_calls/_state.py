@@ -136,7 +136,7 @@ class SoftCall(DeviceCall):
             return
         dev.calls[self] = None
         if self.args.scenario != Scenario.CONFIG:
-            dev.last = self
+            dev.last = self.args  # (not the call: the user's, collected once dropped)
         if dev.in_order:  # it takes its place now, ready or not, as on the firmware
             dev.queue.append(self)
         try:
