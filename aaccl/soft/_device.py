@@ -19,7 +19,7 @@ from .._constants import ConfigFunction, ErrorCode, Scenario
 from .._errors import Aborted, DeviceError
 from ..devices import CallArgs, Device, DeviceCall
 from ..devices._jobs import HostJobs, Job
-from ._calls import KINDS, CallFailed, Comm, SoftCall, make_call
+from ._calls import KINDS, RETCODE_WORD, CallFailed, Comm, SoftCall, make_call
 from ._datapath import Datapath, UnsupportedConfig
 from ._memory import DeviceMemory
 from ._streams import StreamKernel, StreamPorts
@@ -257,7 +257,7 @@ class SoftDevice(Device):
             return refused
         if args.scenario == Scenario.NOP and not waitfor and not self.in_order:
             # nothing to wait for: done on the spot, and every such nop is alike
-            self.exchmem[xm.RETCODE // 4] = 0
+            self.exchmem[RETCODE_WORD] = 0
             done = self._nop_done
             done.started = done.ended = time.perf_counter_ns()
             return done
@@ -278,7 +278,7 @@ class SoftDevice(Device):
         `aborted`: it never ran (a dependency failed), or `error` ended it."""
         self.calls.pop(call, None)
         if error is None and call.started:
-            self.exchmem[xm.RETCODE // 4] = retcode
+            self.exchmem[RETCODE_WORD] = retcode
         if self.in_order:
             self._leave_queue(call)
         if error is not None:

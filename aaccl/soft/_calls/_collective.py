@@ -141,15 +141,13 @@ class CollectiveCall(SoftCall):
             self.way.abort(self, why)
         super().abort()
 
-    def finish(self, retcode: int, detail: str | None = None) -> None:
-        if self.prefix is not None:
-            self.dev.inbox.members.pop(self.prefix, None)  # (its `leave`, in line)
+    def end(self, retcode: int, detail: str | None) -> None:
         if self.aborting is not None:
             self._tell_peers(0, str(self.aborting))
         elif retcode or self.failure:
             code, why = (retcode, detail) if retcode else (self.failure, self.failure_detail)
             self._tell_peers(code, why)
-        super().finish(retcode, detail)
+        super().end(retcode, detail)
 
     def _tell_peers(self, code: int, why: str | None) -> None:
         """Our call of a collective failed: tell every other member, so that theirs
