@@ -13,7 +13,7 @@ import pytest
 import aaccl
 from aaccl import CCLOError, DependencyError, ErrorCode, ReduceFunction
 from aaccl.soft import Engine
-from aaccl.soft._engine import Wait
+from aaccl.soft._engine import Alarm, Wait
 
 TIMEOUT = 0.3
 
@@ -128,6 +128,43 @@ def test_cancelled_timers_do_not_pile_up() -> None:
     assert engine._timers.armed < 5_000
     engine.close()
     assert not engine._timers.lanes
+
+
+def test_an_alarm_expires_each_parked_key_once_past_its_deadline_and_dropped_ones_never(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Many deadlines under one timer (the in-process meetings'): a shorter one parked
+    after a longer one still comes first, a key dropped before its deadline never
+    expires, and an expiry that raises stops nothing."""
+    engine = Engine("test")
+    deadlines: dict[str, float] = {}
+    expired: list[tuple[str, float]] = []
+    done = threading.Event()
+
+    def expire(keys: list[str]) -> None:
+        expired.extend((key, time.monotonic()) for key in keys)
+        if "late" in keys:
+            done.set()
+        if "raises" in keys:
+            raise RuntimeError("expiry bug")
+
+    alarm = Alarm(engine, expire)
+
+    def park(key: str, timeout: float) -> None:
+        deadlines[key] = time.monotonic() + timeout
+        alarm.park(key, timeout)
+
+    engine.post(park, "late", 0.25)
+    engine.post(park, "early", 0.03)
+    engine.post(park, "dropped", 0.06)
+    engine.post(park, "raises", 0.1)
+    engine.post(alarm.parked.pop, "dropped", None)
+    assert done.wait(5)
+    assert [key for key, _ in expired] == ["early", "raises", "late"]
+    for key, when in expired:
+        assert deadlines[key] <= when < deadlines[key] + 1, key
+    assert not alarm.parked
+    assert "expiry bug" in caplog.text
+    engine.close()
 
 
 def test_a_wait_set_before_anyone_waits_keeps_its_value() -> None:

@@ -81,6 +81,57 @@ class Timer:
             self._timers.cancelled += 1
 
 
+ALARM_STEP = 0.001
+"""Seconds: the shortest delay an `Alarm` sets again (the others are this times a
+power of two)."""
+
+
+class Alarm:
+    """Deadlines of many waits under one engine timer (engine context): a wait
+    parked with its deadline (`park`) costs a dict entry, not a timer of its own, as
+    waits come and go one after another; `parked.pop(key, None)` drops one. The
+    timer is set for the first deadline parked while none comes sooner; when it goes
+    off it hands the keys past their deadlines to `expire` and is set again for the
+    first of the others (the engine keeps its timers by delay, so that delay is the
+    largest of a few fixed ones not longer than what is left: late by at most
+    ALARM_STEP)."""
+
+    __slots__ = ("parked", "at", "_engine", "_expire", "_timer")
+
+    def __init__(self, engine: Engine, expire: Callable[[list[Any]], None]) -> None:
+        self.parked: dict[Any, float] = {}
+        self.at = math.inf  # when the timer goes off
+        self._engine, self._expire = engine, expire
+        self._timer: Timer | None = None
+
+    def park(self, key: Any, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        self.parked[key] = deadline
+        if deadline < self.at:
+            self._set(timeout, deadline)
+
+    def _set(self, delay: float, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self.at = self._engine.call_later(delay, self._look), at
+
+    def _look(self) -> None:
+        self._timer, self.at = None, math.inf
+        now = time.monotonic()
+        parked = self.parked
+        overdue = [key for key, deadline in parked.items() if deadline <= now]
+        for key in overdue:
+            del parked[key]
+        if parked:  # (set first: the alarm goes on whatever an expiry does)
+            first = min(parked.values())
+            delay = ALARM_STEP
+            while delay * 2 <= first - now:
+                delay *= 2
+            self._set(delay, now + delay)
+        if overdue:
+            self._expire(overdue)
+
+
 class _Timers:
     """Deadlines in lanes, one per delay: a lane's deadlines (now + its delay) come
     in order, so arming is an append and the earliest is a lane's head, with no heap
