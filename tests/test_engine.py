@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
+from collections.abc import Callable
 
 import anyio
 import numpy as np
@@ -36,6 +38,80 @@ def test_events_posted_while_draining_run_after_in_order_without_nesting() -> No
 
     engine.post(event, 0)
     assert seen == list(range(50_001))
+    engine.close()
+
+
+def test_events_posted_from_many_threads_each_run_once_one_at_a_time() -> None:
+    """Whoever finds the engine idle drains it; a post that finds it busy is left to
+    the drainer: once every post returned, every event has run, once, in its
+    thread's order, and never two at a time."""
+    engine = Engine("test")
+    ran: list[tuple[int, int]] = []
+    running = [0]
+    overlaps = [0]
+
+    def event(thread: int, n: int) -> None:
+        running[0] += 1
+        if running[0] != 1:
+            overlaps[0] += 1
+        ran.append((thread, n))
+        if n % 7 == 0:
+            engine.soon(ran.append, (thread, -n))  # raised while draining: runs too
+        running[0] -= 1
+
+    def poster(thread: int) -> None:
+        for n in range(1, 5001):
+            engine.post(event, thread, n)
+
+    threads = [threading.Thread(target=poster, args=(t,)) for t in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two steps, often
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert overlaps[0] == 0
+    for t in range(4):
+        assert [n for thread, n in ran if thread == t and n > 0] == list(range(1, 5001))
+        assert sorted(-n for thread, n in ran if thread == t and n < 0) == list(range(7, 5001, 7))
+    engine.close()
+
+
+class _LetGo:
+    """The engine's lock, which runs `before_release` once, just before it lets go:
+    a post that comes at the drainer's last moment, found the lock held, and left
+    its event to the drainer."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.before_release: Callable[[], None] | None = None
+
+    def acquire(self, blocking: bool = True) -> bool:
+        return self._lock.acquire(blocking)
+
+    def release(self) -> None:
+        hook, self.before_release = self.before_release, None
+        if hook is not None:
+            hook()
+        self._lock.release()
+
+
+@pytest.mark.parametrize("drained", [False, True], ids=["idle", "draining"])
+def test_an_event_posted_as_the_drainer_lets_go_still_runs(drained: bool) -> None:
+    engine = Engine("test")
+    lock = engine._lock = _LetGo()  # type: ignore[assignment]
+    ran: list[str] = []
+
+    def first() -> None:
+        if drained:  # something raised: the engine drains its queue
+            engine.soon(ran.append, "raised")
+        lock.before_release = lambda: engine.post(ran.append, "late")
+
+    engine.post(first)
+    assert ran == (["raised", "late"] if drained else ["late"])
     engine.close()
 
 

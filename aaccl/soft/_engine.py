@@ -198,10 +198,9 @@ class Engine:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held by the thread that drains (`post`)
         self._posted: deque[tuple[Event, tuple[Any, ...]]] = deque()  # from any thread
         self._soon: deque[tuple[Event, tuple[Any, ...]]] = deque()  # raised while draining
-        self._draining = False
         self._timers = _Timers()
         self._timer_thread: threading.Thread | None = None
         self._workers: ThreadPoolExecutor | None = None
@@ -211,60 +210,62 @@ class Engine:
     # -- events ------------------------------------------------------------------
 
     def post(self, fn: Event, *args: Any) -> None:
-        """Queue `fn(*args)` from any thread; process the queue here if nobody is."""
-        with self._lock:
-            if self._draining:
-                self._posted.append((fn, args))
-                return
-            self._draining = True
-            behind = bool(self._posted or self._soon)  # left by an interrupted drain
-            if behind:
-                self._posted.append((fn, args))
-        if behind:
-            self._drain()
+        """Queue `fn(*args)` from any thread; process the queue here if nobody is.
+
+        Whoever holds `_lock` drains, and lets go only once the queue is empty; it
+        looks again after letting go, so that a post which found the lock held
+        meanwhile is never left behind (either it drains, or the drainer that looked
+        again does). An idle engine runs the event at once, queued nowhere."""
+        lock = self._lock
+        if self._posted or self._soon or not lock.acquire(False):
+            self._posted.append((fn, args))
+            if lock.acquire(False):  # nobody drains (any more): we do
+                self._drain()
             return
-        # idle with nothing queued: run the event now, then drain what it raised
         try:
             fn(*args)
         except Exception:  # events fail their own calls; a last resort
             log.exception("soft CCLO engine %s: internal error in %r", self.name, fn)
         except BaseException:
-            with self._lock:
-                self._draining = False
+            lock.release()
             raise
-        if not self._soon:
-            with self._lock:
-                if not self._posted:
-                    self._draining = False
-                    return
-        self._drain()
+        if self._soon or self._posted:
+            self._drain()
+            return
+        lock.release()
+        if self._posted and lock.acquire(False):  # posted as we let go
+            self._drain()
 
     def soon(self, fn: Event, *args: Any) -> None:
         """Queue `fn(*args)` from engine context (an event being processed)."""
         self._soon.append((fn, args))
 
     def _drain(self) -> None:
-        soon, posted = self._soon, self._posted
-        try:
-            while True:
-                while soon:
-                    fn, args = soon.popleft()
-                    try:
-                        fn(*args)
-                    except Exception:  # events fail their own calls; a last resort
-                        log.exception("soft CCLO engine %s: internal error in %r", self.name, fn)
-                with self._lock:
+        """Process the queue until it is empty (holding `_lock`), then let go. What
+        the events raise (`soon`) runs before the next of those posted meanwhile."""
+        soon, posted, lock = self._soon, self._posted, self._lock
+        while True:
+            try:
+                while True:
+                    while soon:
+                        fn, args = soon.popleft()
+                        try:
+                            fn(*args)
+                        except Exception:  # events fail their own calls; a last resort
+                            log.exception("soft CCLO engine %s: internal error in %r",
+                                          self.name, fn)
                     if not posted:
-                        self._draining = False
-                        return
-                    soon.extend(posted)
-                    posted.clear()
-        except BaseException:
-            # KeyboardInterrupt, SystemExit: the caller gets it at once, and the engine
-            # stays drainable; what is still queued runs, in order, at the next post
-            with self._lock:
-                self._draining = False
-            raise
+                        break
+                    for _ in range(len(posted)):  # (deques: safe beside other threads' appends)
+                        soon.append(posted.popleft())
+            except BaseException:
+                # KeyboardInterrupt, SystemExit: the caller gets it at once, and the engine
+                # stays drainable; what is still queued runs, in order, at the next post
+                lock.release()
+                raise
+            lock.release()
+            if not posted or not lock.acquire(False):
+                return
 
     # -- timers -------------------------------------------------------------------
 
