@@ -24,7 +24,7 @@ from .._datapath import OPERAND_FLAGS
 from .._engine import Timer, Wait
 from .._failure import CallFailed
 from .._streams import StreamRead, stream_roles
-from ..fabric._message import function_name
+from ..fabric._message import Key, function_name
 
 if TYPE_CHECKING:
     from .._device import SoftDevice
@@ -249,7 +249,7 @@ class SoftCall(DeviceCall):
                 self.timer = None
             self.resume(None, failed)
 
-    prefix: Hashable | None = None  # (a collective's: its key among them)
+    prefix: Key | None = None  # (a collective's: its key among them)
 
     def describe(self) -> str:
         return describe_call(self.args)
