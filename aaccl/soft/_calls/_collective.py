@@ -43,6 +43,7 @@ class CollectiveCall(SoftCall):
         args, dev = self.args, self.dev
         self.quiet = False  # its failure came from a peer, which has told the others
         self.met = False
+        way: Collective | None = None
         known = dev.decoded.get(args[:9])  # decoded before: a loop of the same collective
         if known is None:
             self.comm = self.prefix = self.fp = self.path = self.way = None
@@ -54,11 +55,13 @@ class CollectiveCall(SoftCall):
                 return
             comm = dev.comm(args.comm)
         else:
-            comm, self.path, self.fp = known
+            comm, self.path, self.fp, way = known
         self.comm = comm
         self.seq = seq = dev.inbox.admit(comm.key)
         self.prefix = prefix = ("coll", comm.key, seq)
-        self.way = way = dev.port.collective(self)
+        if way is None:  # (not remembered: the port says, for this call)
+            way = dev.port.collective(self)
+        self.way = way
         fp = self._decode(comm, way) if known is None else known[2]
         failure = dev.inbox.join(prefix, dev.session, fp, self._peer_failed)
         if way is not None:
@@ -79,7 +82,8 @@ class CollectiveCall(SoftCall):
             check_compression(args)
             if not args.stream_flags:  # the same arguments decode alike
                 assert self.path is not None
-                dev.remember(args, (comm, self.path, fp))
+                dev.remember(args, (comm, self.path, fp,
+                                    way if way is not None and way.shared else None))
 
     def _decode(self, comm: Comm, way: Collective | None) -> Fingerprint:
         """The call's datapath and fingerprint, from its arguments (the first call

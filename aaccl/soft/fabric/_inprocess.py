@@ -23,6 +23,7 @@ from ._message import Collective, Fingerprint, Message, MessageState, Port
 
 log = logging.getLogger("aaccl")
 RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
+_new = object.__new__
 
 if TYPE_CHECKING:
     from .._calls._collective import CollectiveCall
@@ -117,7 +118,9 @@ class Meeting:
             if len(arrived) == self.size:
                 self._compute(call, rank)
                 return
-        seat = _Seat(self, rank)
+        seat = _new(_Seat)  # (no __init__: one call less per waiting rank)
+        seat.done, seat.value, seat.waiter, seat.timeout_code = False, None, None, RECEIVE_TIMEOUT
+        seat.meeting, seat.rank = self, rank
         self.waiting[rank] = call
         call.waiting = seat
         alarm = self._fabric.alarm
@@ -180,12 +183,10 @@ class _Seat(Wait):
     """A rank's wait in a meeting: `SoftCall.waiting` while it waits, so that an
     abort or a peer's notice withdraws it (`expire`) as any other wait."""
 
-    __slots__ = ("meeting", "rank")
+    __slots__ = ("meeting", "rank")  # (no __init__: `Meeting.arrive` seats the rank)
 
-    def __init__(self, meeting: Meeting, rank: int) -> None:
-        self.done, self.value, self.waiter = False, None, None
-        self.timeout_code = RECEIVE_TIMEOUT
-        self.meeting, self.rank = meeting, rank
+    meeting: Meeting
+    rank: int
 
     def expire(self) -> bool:
         self.meeting.leave(self.rank, arrived=True)
@@ -206,6 +207,7 @@ class _RollCall(Collective):
     __slots__ = ("port",)  # (set by InProcessPort: no __init__, one call less per call)
 
     port: InProcessPort
+    shared = True  # one per port (`_Meet` too): what a call did there is the call's
 
     def join(self, call: CollectiveCall) -> tuple[int, str] | None:
         """The mismatch with the first rank that joined, if their calls differ."""
