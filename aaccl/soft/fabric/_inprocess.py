@@ -129,22 +129,11 @@ class Meeting:
 
     def _compute(self, last: ScheduleCall, rank: int) -> None:
         """Every rank's fingerprint equals the first's (the roll call): same count and
-        dtype. Fold in rank order, as the schedules do; then end every call."""
+        dtype. Fold, then end every call."""
         arrived = self.arrived
         retcode = 0
         try:
-            total, _, path = arrived[0]
-            if path.arith == path.dtype:  # (`Datapath.combine`'s common case, inline)
-                # a new array per step: numpy takes 3x as long for an output that is
-                # also an input (its overlap check), and these arrays are small
-                ufunc = path.ufunc
-                for r in range(1, self.size):
-                    total = ufunc(total, arrived[r][0])
-            else:
-                total = total.copy()
-                for r in range(1, self.size):
-                    src, _, path = arrived[r]
-                    path.combine(total, src, total)
+            total = self.fold()
             for _, d, _ in arrived.values():
                 d[...] = total
         except Exception:  # a bug in the model fails this collective, and nothing else
@@ -156,6 +145,25 @@ class Meeting:
             call.waiting = None
             call.finish(retcode)
         last.finish(retcode)
+
+    def fold(self) -> np.ndarray:
+        """Every rank's contribution combined in rank order, as the schedules do,
+        into a new array."""
+        arrived = self.arrived
+        total, _, path = arrived[0]
+        if path.arith != path.dtype:
+            total = total.copy()
+            for r in range(1, self.size):
+                src, _, path = arrived[r]
+                path.combine(total, src, total)
+            return total
+        # (`Datapath.combine`'s common case, inline) a new array per step: numpy takes
+        # 3x as long for an output that is also an input (its overlap check), and
+        # these arrays are small
+        ufunc = path.ufunc
+        for r in range(1, self.size):
+            total = ufunc(total, arrived[r][0])
+        return total
 
     def expire(self) -> None:
         """The deadline: the calls waiting here fail (engine context)."""
