@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
+from collections.abc import Callable
 
 import anyio
 import numpy as np
@@ -13,7 +15,7 @@ import pytest
 import aaccl
 from aaccl import CCLOError, DependencyError, ErrorCode, ReduceFunction
 from aaccl.soft import Engine
-from aaccl.soft._engine import Wait
+from aaccl.soft._engine import Alarm, Wait
 
 TIMEOUT = 0.3
 
@@ -36,6 +38,80 @@ def test_events_posted_while_draining_run_after_in_order_without_nesting() -> No
 
     engine.post(event, 0)
     assert seen == list(range(50_001))
+    engine.close()
+
+
+def test_events_posted_from_many_threads_each_run_once_one_at_a_time() -> None:
+    """Whoever finds the engine idle drains it; a post that finds it busy is left to
+    the drainer: once every post returned, every event has run, once, in its
+    thread's order, and never two at a time."""
+    engine = Engine("test")
+    ran: list[tuple[int, int]] = []
+    running = [0]
+    overlaps = [0]
+
+    def event(thread: int, n: int) -> None:
+        running[0] += 1
+        if running[0] != 1:
+            overlaps[0] += 1
+        ran.append((thread, n))
+        if n % 7 == 0:
+            engine.soon(ran.append, (thread, -n))  # raised while draining: runs too
+        running[0] -= 1
+
+    def poster(thread: int) -> None:
+        for n in range(1, 5001):
+            engine.post(event, thread, n)
+
+    threads = [threading.Thread(target=poster, args=(t,)) for t in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two steps, often
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert overlaps[0] == 0
+    for t in range(4):
+        assert [n for thread, n in ran if thread == t and n > 0] == list(range(1, 5001))
+        assert sorted(-n for thread, n in ran if thread == t and n < 0) == list(range(7, 5001, 7))
+    engine.close()
+
+
+class _LetGo:
+    """The engine's lock, which runs `before_release` once, just before it lets go:
+    a post that comes at the drainer's last moment, found the lock held, and left
+    its event to the drainer."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.before_release: Callable[[], None] | None = None
+
+    def acquire(self, blocking: bool = True) -> bool:
+        return self._lock.acquire(blocking)
+
+    def release(self) -> None:
+        hook, self.before_release = self.before_release, None
+        if hook is not None:
+            hook()
+        self._lock.release()
+
+
+@pytest.mark.parametrize("drained", [False, True], ids=["idle", "draining"])
+def test_an_event_posted_as_the_drainer_lets_go_still_runs(drained: bool) -> None:
+    engine = Engine("test")
+    lock = engine._lock = _LetGo()  # type: ignore[assignment]
+    ran: list[str] = []
+
+    def first() -> None:
+        if drained:  # something raised: the engine drains its queue
+            engine.soon(ran.append, "raised")
+        lock.before_release = lambda: engine.post(ran.append, "late")
+
+    engine.post(first)
+    assert ran == (["raised", "late"] if drained else ["late"])
     engine.close()
 
 
@@ -128,6 +204,43 @@ def test_cancelled_timers_do_not_pile_up() -> None:
     assert engine._timers.armed < 5_000
     engine.close()
     assert not engine._timers.lanes
+
+
+def test_an_alarm_expires_each_parked_key_once_past_its_deadline_and_dropped_ones_never(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Many deadlines under one timer (the in-process meetings'): a shorter one parked
+    after a longer one still comes first, a key dropped before its deadline never
+    expires, and an expiry that raises stops nothing."""
+    engine = Engine("test")
+    deadlines: dict[str, float] = {}
+    expired: list[tuple[str, float]] = []
+    done = threading.Event()
+
+    def expire(keys: list[str]) -> None:
+        expired.extend((key, time.monotonic()) for key in keys)
+        if "late" in keys:
+            done.set()
+        if "raises" in keys:
+            raise RuntimeError("expiry bug")
+
+    alarm = Alarm(engine, expire)
+
+    def park(key: str, timeout: float) -> None:
+        deadlines[key] = time.monotonic() + timeout
+        alarm.park(key, timeout)
+
+    engine.post(park, "late", 0.25)
+    engine.post(park, "early", 0.03)
+    engine.post(park, "dropped", 0.06)
+    engine.post(park, "raises", 0.1)
+    engine.post(alarm.parked.pop, "dropped", None)
+    assert done.wait(5)
+    assert [key for key, _ in expired] == ["early", "raises", "late"]
+    for key, when in expired:
+        assert deadlines[key] <= when < deadlines[key] + 1, key
+    assert not alarm.parked
+    assert "expiry bug" in caplog.text
+    engine.close()
 
 
 def test_a_wait_set_before_anyone_waits_keeps_its_value() -> None:

@@ -13,6 +13,7 @@ import aaccl
 from aaccl import ErrorCode, ReduceFunction
 from aaccl.devices import DeviceCall
 from aaccl.soft._datapath import Datapath
+from aaccl.soft.fabric._inprocess import Meeting
 
 
 @pytest.mark.anyio
@@ -22,10 +23,14 @@ async def test_internal_error_fails_the_call(count: int, monkeypatch: pytest.Mon
     def broken(self: Datapath, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         raise ZeroDivisionError("model bug")
 
+    def broken_fold(self: Meeting) -> np.ndarray:
+        raise ZeroDivisionError("model bug")
+
     async with aaccl.open_world(2, timeout=1.0) as accls:
         bufs = [(a.allocate(count), a.allocate(count)) for a in accls]
         with monkeypatch.context() as patch:
             patch.setattr(Datapath, "combine", broken)
+            patch.setattr(Meeting, "fold", broken_fold)  # (a small allreduce's ranks meeting)
             calls = [a.allreduce(s, d, count, ReduceFunction.SUM) for a, (s, d) in zip(accls, bufs)]
             with anyio.fail_after(5):
                 for call in calls:

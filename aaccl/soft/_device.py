@@ -18,18 +18,20 @@ from .._constants import ConfigFunction, ErrorCode, Scenario
 from .._errors import Aborted, DeviceError
 from ..devices import CallArgs, Device, DeviceCall
 from ..devices._jobs import HostJobs, Job
-from ._calls import KINDS, CallFailed, Comm, SoftCall, make_call
+from ._calls import KINDS, RETCODE_WORD, CallFailed, Comm, SoftCall, make_call
 from ._calls._state import describe_call
 from ._datapath import Datapath, UnsupportedConfig
 from ._memory import DeviceMemory
 from ._streams import StreamKernel, StreamPorts
-from .fabric import Fingerprint, Message, Port, RxPool
+from .fabric import Collective, Fingerprint, Message, Port, RxPool
 from .fabric._message import describe
 
 VIEWS_KEPT = 1024
 """Views of device memory a soft CCLO keeps for its calls (see `SoftDevice.array`)."""
 DECODED_KEPT = 1024
 """Distinct collective arguments whose decoding a soft CCLO keeps (`remember`)."""
+Decoded = tuple[Comm, Datapath, Fingerprint, Collective | None]
+"""What a collective's arguments decode to (see `SoftDevice.remember`)."""
 HWID = 0x0000_00F8  # reduction, compression and stream bits as ACCL's driver reads them
 
 
@@ -54,7 +56,7 @@ class SoftDevice(Device):
         self._comms: dict[int, Comm] = {}
         self._configs: dict[int, xm.ArithConfig] = {}
         self._paths: dict[tuple[int, int, int], Datapath] = {}
-        self.decoded: dict[tuple[int, ...], tuple[Comm, Datapath, Fingerprint]] = {}
+        self.decoded: dict[tuple[int, ...], Decoded] = {}
         self._send_seq: dict[tuple[Hashable, int], int] = {}
         self.queue: deque[SoftCall] = deque()  # in order: calls admitted, not ended; head runs
         self.calls: dict[SoftCall, None] = {}  # admitted, not finished (in order)
@@ -112,10 +114,11 @@ class SoftDevice(Device):
         self._paths.clear()
         self.decoded.clear()
 
-    def remember(self, args: CallArgs, decoded: tuple[Comm, Datapath, Fingerprint]) -> None:
+    def remember(self, args: CallArgs, decoded: Decoded) -> None:
         """What a collective's arguments decode to (`decoded`, keyed by all but its
-        addresses), so that calls with the same arguments skip decoding them; kept
-        until exchange memory is written."""
+        addresses: its communicator, datapath, fingerprint, and its fabric's part if
+        that is `Collective.shared`), so that calls with the same arguments skip
+        decoding them; kept until exchange memory is written."""
         if len(self.decoded) >= DECODED_KEPT:
             self.decoded.clear()
         self.decoded[args[:9]] = decoded
@@ -255,7 +258,7 @@ class SoftDevice(Device):
             return refused
         if args.scenario == Scenario.NOP and not waitfor and not self.in_order:
             # nothing to wait for: done on the spot
-            self.exchmem[xm.RETCODE // 4] = 0
+            self.exchmem[RETCODE_WORD] = 0
             return DeviceCall(args, done=True)
         kind = KINDS.get(args.scenario)
         call = make_call(self, args) if kind is None else kind(self, args)
@@ -274,7 +277,7 @@ class SoftDevice(Device):
         `aborted`: it never ran (a dependency failed), or `error` ended it."""
         self.calls.pop(call, None)
         if error is None and call.started:
-            self.exchmem[xm.RETCODE // 4] = retcode
+            self.exchmem[RETCODE_WORD] = retcode
         if self.in_order:
             self._leave_queue(call)
         if error is not None:

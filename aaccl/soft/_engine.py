@@ -81,6 +81,57 @@ class Timer:
             self._timers.cancelled += 1
 
 
+ALARM_STEP = 0.001
+"""Seconds: the shortest delay an `Alarm` sets again (the others are this times a
+power of two)."""
+
+
+class Alarm:
+    """Deadlines of many waits under one engine timer (engine context): a wait
+    parked with its deadline (`park`) costs a dict entry, not a timer of its own, as
+    waits come and go one after another; `parked.pop(key, None)` drops one. The
+    timer is set for the first deadline parked while none comes sooner; when it goes
+    off it hands the keys past their deadlines to `expire` and is set again for the
+    first of the others (the engine keeps its timers by delay, so that delay is the
+    largest of a few fixed ones not longer than what is left: late by at most
+    ALARM_STEP)."""
+
+    __slots__ = ("parked", "at", "_engine", "_expire", "_timer")
+
+    def __init__(self, engine: Engine, expire: Callable[[list[Any]], None]) -> None:
+        self.parked: dict[Any, float] = {}
+        self.at = math.inf  # when the timer goes off
+        self._engine, self._expire = engine, expire
+        self._timer: Timer | None = None
+
+    def park(self, key: Any, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        self.parked[key] = deadline
+        if deadline < self.at:
+            self._set(timeout, deadline)
+
+    def _set(self, delay: float, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self.at = self._engine.call_later(delay, self._look), at
+
+    def _look(self) -> None:
+        self._timer, self.at = None, math.inf
+        now = time.monotonic()
+        parked = self.parked
+        overdue = [key for key, deadline in parked.items() if deadline <= now]
+        for key in overdue:
+            del parked[key]
+        if parked:  # (set first: the alarm goes on whatever an expiry does)
+            first = min(parked.values())
+            delay = ALARM_STEP
+            while delay * 2 <= first - now:
+                delay *= 2
+            self._set(delay, now + delay)
+        if overdue:
+            self._expire(overdue)
+
+
 class _Timers:
     """Deadlines in lanes, one per delay: a lane's deadlines (now + its delay) come
     in order, so arming is an append and the earliest is a lane's head, with no heap
@@ -147,10 +198,9 @@ class Engine:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held by the thread that drains (`post`)
         self._posted: deque[tuple[Event, tuple[Any, ...]]] = deque()  # from any thread
         self._soon: deque[tuple[Event, tuple[Any, ...]]] = deque()  # raised while draining
-        self._draining = False
         self._timers = _Timers()
         self._timer_thread: threading.Thread | None = None
         self._workers: ThreadPoolExecutor | None = None
@@ -160,60 +210,62 @@ class Engine:
     # -- events ------------------------------------------------------------------
 
     def post(self, fn: Event, *args: Any) -> None:
-        """Queue `fn(*args)` from any thread; process the queue here if nobody is."""
-        with self._lock:
-            if self._draining:
-                self._posted.append((fn, args))
-                return
-            self._draining = True
-            behind = bool(self._posted or self._soon)  # left by an interrupted drain
-            if behind:
-                self._posted.append((fn, args))
-        if behind:
-            self._drain()
+        """Queue `fn(*args)` from any thread; process the queue here if nobody is.
+
+        Whoever holds `_lock` drains, and lets go only once the queue is empty; it
+        looks again after letting go, so that a post which found the lock held
+        meanwhile is never left behind (either it drains, or the drainer that looked
+        again does). An idle engine runs the event at once, queued nowhere."""
+        lock = self._lock
+        if self._posted or self._soon or not lock.acquire(False):
+            self._posted.append((fn, args))
+            if lock.acquire(False):  # nobody drains (any more): we do
+                self._drain()
             return
-        # idle with nothing queued: run the event now, then drain what it raised
         try:
             fn(*args)
         except Exception:  # events fail their own calls; a last resort
             log.exception("soft CCLO engine %s: internal error in %r", self.name, fn)
         except BaseException:
-            with self._lock:
-                self._draining = False
+            lock.release()
             raise
-        if not self._soon:
-            with self._lock:
-                if not self._posted:
-                    self._draining = False
-                    return
-        self._drain()
+        if self._soon or self._posted:
+            self._drain()
+            return
+        lock.release()
+        if self._posted and lock.acquire(False):  # posted as we let go
+            self._drain()
 
     def soon(self, fn: Event, *args: Any) -> None:
         """Queue `fn(*args)` from engine context (an event being processed)."""
         self._soon.append((fn, args))
 
     def _drain(self) -> None:
-        soon, posted = self._soon, self._posted
-        try:
-            while True:
-                while soon:
-                    fn, args = soon.popleft()
-                    try:
-                        fn(*args)
-                    except Exception:  # events fail their own calls; a last resort
-                        log.exception("soft CCLO engine %s: internal error in %r", self.name, fn)
-                with self._lock:
+        """Process the queue until it is empty (holding `_lock`), then let go. What
+        the events raise (`soon`) runs before the next of those posted meanwhile."""
+        soon, posted, lock = self._soon, self._posted, self._lock
+        while True:
+            try:
+                while True:
+                    while soon:
+                        fn, args = soon.popleft()
+                        try:
+                            fn(*args)
+                        except Exception:  # events fail their own calls; a last resort
+                            log.exception("soft CCLO engine %s: internal error in %r",
+                                          self.name, fn)
                     if not posted:
-                        self._draining = False
-                        return
-                    soon.extend(posted)
-                    posted.clear()
-        except BaseException:
-            # KeyboardInterrupt, SystemExit: the caller gets it at once, and the engine
-            # stays drainable; what is still queued runs, in order, at the next post
-            with self._lock:
-                self._draining = False
-            raise
+                        break
+                    for _ in range(len(posted)):  # (deques: safe beside other threads' appends)
+                        soon.append(posted.popleft())
+            except BaseException:
+                # KeyboardInterrupt, SystemExit: the caller gets it at once, and the engine
+                # stays drainable; what is still queued runs, in order, at the next post
+                lock.release()
+                raise
+            lock.release()
+            if not posted or not lock.acquire(False):
+                return
 
     # -- timers -------------------------------------------------------------------
 

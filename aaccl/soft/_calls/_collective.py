@@ -36,9 +36,14 @@ class CollectiveCall(SoftCall):
     met: bool  # in process: it came to its meeting, or gave its place there up
 
     def prepare(self) -> None:
+        """Take the call's place among its communicator's collectives and check it
+        against the peers' calls of this collective: their fingerprints in their
+        messages, now and as they come, and by the fabric's means (in process: all
+        at once). Arguments seen before skip decoding (`SoftDevice.remember`)."""
         args, dev = self.args, self.dev
         self.quiet = False  # its failure came from a peer, which has told the others
         self.met = False
+        way: Collective | None = None
         known = dev.decoded.get(args[:9])  # decoded before: a loop of the same collective
         if known is None:
             self.comm = self.prefix = self.fp = self.path = self.way = None
@@ -48,34 +53,56 @@ class CollectiveCall(SoftCall):
                     self.use_streams(1, True)
                 check_compression(args)
                 return
-        self.comm = comm = dev.comm(args.comm) if known is None else known[0]
+            comm = dev.comm(args.comm)
+        else:
+            comm, self.path, self.fp, way = known
+        self.comm = comm
         self.seq = seq = dev.inbox.admit(comm.key)
-        self.prefix = ("coll", comm.key, seq)
-        self.way = way = dev.port.collective(self)
-        if known is not None:
-            _, self.path, self.fp = known
-            self._join(way)
-            return
+        self.prefix = prefix = ("coll", comm.key, seq)
+        if way is None:  # (not remembered: the port says, for this call)
+            way = dev.port.collective(self)
+        self.way = way
+        fp = self._decode(comm, way) if known is None else known[2]
+        failure = dev.inbox.join(prefix, dev.session, fp, self._peer_failed)
+        if way is not None:
+            differs = way.join(self)
+            if failure is None and differs is not None:
+                failure = (*differs, False)
+        if failure is not None:
+            code, why, notified = failure
+            self.quiet = notified
+            if not code:  # a peer's call was aborted, or it rejected its call
+                self.failure_error = Aborted(why)
+                code = MISMATCH  # (the call ends with `failure_error`)
+            raise CallFailed(code, why)
+        if known is None:
+            if args.stream_flags:
+                self.use_streams(comm.size, args.root_src_dst == comm.rank
+                                 or args.scenario not in ROOTED)
+            check_compression(args)
+            if not args.stream_flags:  # the same arguments decode alike
+                assert self.path is not None
+                dev.remember(args, (comm, self.path, fp,
+                                    way if way is not None and way.shared else None))
+
+    def _decode(self, comm: Comm, way: Collective | None) -> Fingerprint:
+        """The call's datapath and fingerprint, from its arguments (the first call
+        with them). One that can never run takes its turn at once all the same."""
+        args = self.args
         try:
             if args.scenario in ROOTED and args.root_src_dst >= comm.size:
                 raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
-            self.path = path = dev.datapath(args)
-        except CallFailed as failed:  # it can never run: it takes its turn at once
+            self.path = path = self.dev.datapath(args)
+        except CallFailed as failed:
             if way is not None:  # (it counts all the same)
                 way.reject(self, failed)
             raise
         scenario = args.scenario
-        self.fp = (int(scenario), None if scenario == Scenario.BARRIER else args.count,
-                   path.dtype.str, path.wire.str,
-                   args.root_src_dst if scenario in ROOTED else None,
-                   args.function if scenario in REDUCING else None, comm.size)
-        self._join(way)
-        if args.stream_flags:
-            self.use_streams(comm.size, args.root_src_dst == comm.rank
-                             or args.scenario not in ROOTED)
-        check_compression(args)
-        if not args.stream_flags:  # the same arguments decode alike
-            dev.remember(args, (comm, path, self.fp))
+        self.fp = fp = (int(scenario), None if scenario == Scenario.BARRIER else args.count,
+                        path.dtype.str, path.wire.str,
+                        args.root_src_dst if scenario in ROOTED else None,
+                        args.function if scenario in REDUCING else None, comm.size)
+        return fp
 
     def start(self) -> None:
         way = self.way
@@ -97,25 +124,6 @@ class CollectiveCall(SoftCall):
         if comm is None:
             return ""
         return f" on the communicator of ranks {', '.join(map(str, comm.sessions))}"
-
-    def _join(self, way: Collective | None) -> None:
-        """Check our call against the peers' calls of this collective (fingerprints
-        in their messages), now and as their messages come, and by the fabric's means
-        (in process: all at once)."""
-        assert self.prefix is not None and self.fp is not None
-        failure = self.dev.inbox.join(self.prefix, self.dev.session, self.fp,
-                                      self._peer_failed)
-        if way is not None:
-            differs = way.join(self)
-            if failure is None and differs is not None:
-                failure = (*differs, False)
-        if failure is not None:
-            code, why, notified = failure
-            self.quiet = notified
-            if not code:  # a peer's call was aborted, or it rejected its call
-                self.failure_error = Aborted(why)
-                code = MISMATCH  # (the call ends with `failure_error`)
-            raise CallFailed(code, why)
 
     def _peer_failed(self, code: int, why: str, notified: bool) -> None:
         """Inbox: a peer's call of our collective failed (`notified`) or does not
@@ -141,15 +149,13 @@ class CollectiveCall(SoftCall):
             self.way.abort(self, why)
         super().abort()
 
-    def finish(self, retcode: int, detail: str | None = None) -> None:
-        if self.prefix is not None:
-            self.dev.inbox.members.pop(self.prefix, None)  # (its `leave`, in line)
+    def end(self, retcode: int, detail: str | None) -> None:
         if self.aborting is not None:
             self._tell_peers(0, str(self.aborting))
         elif retcode or self.failure:
             code, why = (retcode, detail) if retcode else (self.failure, self.failure_detail)
             self._tell_peers(code, why)
-        super().finish(retcode, detail)
+        super().end(retcode, detail)
 
     def _tell_peers(self, code: int, why: str | None) -> None:
         """Our call of a collective failed: tell every other member, so that theirs

@@ -24,7 +24,7 @@ from .._datapath import OPERAND_FLAGS
 from .._engine import Timer, Wait
 from .._failure import CallFailed
 from .._streams import StreamRead, stream_roles
-from ..fabric._message import function_name
+from ..fabric._message import Key, function_name
 
 if TYPE_CHECKING:
     from .._device import SoftDevice
@@ -48,6 +48,7 @@ workers (in parallel, without the GIL); smaller ones run in line."""
 
 RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
 DEQUEUE_TIMEOUT = int(ErrorCode.DEQUEUE_BUFFER_TIMEOUT_ERROR)
+RETCODE_WORD = xm.RETCODE // 4  # the exchange-memory word a call's return code is left in
 INBOUND_SEQ, OUTBOUND_SEQ = 2, 3
 """Words of a rank's communicator record that count messages from and to it."""
 
@@ -248,7 +249,7 @@ class SoftCall(DeviceCall):
                 self.timer = None
             self.resume(None, failed)
 
-    prefix: Hashable | None = None  # (a collective's: its key among them)
+    prefix: Key | None = None  # (a collective's: its key among them)
 
     def describe(self) -> str:
         return describe_call(self.args)
@@ -376,9 +377,23 @@ class SoftCall(DeviceCall):
                     detail += f"; rank {peer} {seen}"
         return detail
 
-    def finish(self, retcode: int, detail: str | None = None) -> None:
+    def finish(self, retcode: int = 0, detail: str | None = None) -> None:
+        """The call ran to its end with `retcode` (its body, or its fabric for it).
+        One that ended well, out of order, ends here in one frame: most calls do."""
         self.state = State.DONE
         self.body = None
+        dev = self.dev
+        if self.prefix is not None:  # a collective's record in the inbox (`Inbox.leave`)
+            dev.inbox.members.pop(self.prefix, None)
+        if retcode or self.failure or self.aborting is not None or dev.in_order:
+            self.end(retcode, detail)
+            return
+        dev.calls.pop(self, None)  # (`SoftDevice.finished`'s common case, inline)
+        dev.exchmem[RETCODE_WORD] = 0
+        self.complete()
+
+    def end(self, retcode: int, detail: str | None) -> None:
+        """The call ran to its end, failed, or in order: its device publishes it."""
         if not retcode and self.failure:  # failed while a peer read our data
             retcode, detail = self.failure, self.failure_detail
         if self.aborting is not None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..._constants import ErrorCode, Scenario
 from ..._errors import Aborted
-from .._engine import Engine, Timer, Wait
+from .._engine import Alarm, Engine, Wait
 from .._failure import CallFailed
 from ..algorithms import SMALL_ALLREDUCE_COUNT
 from ._inbox import Inbox, mismatch
@@ -23,6 +23,7 @@ from ._message import Collective, Fingerprint, Message, MessageState, Port
 
 log = logging.getLogger("aaccl")
 RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
+_new = object.__new__
 
 if TYPE_CHECKING:
     from .._calls._collective import CollectiveCall
@@ -39,6 +40,7 @@ class InProcessFabric:
         self.engine = Engine(f"inprocess-{size}")
         self.inboxes = [Inbox() for _ in range(size)]
         self.meetings: dict[Hashable, Meeting] = {}
+        self.alarm = Alarm(self.engine, self._expire)  # the deadlines of the meetings
         self.activities: dict[int, Callable[[Hashable | None], str]] = {}  # session -> what it does now
         # collectives some ranks have joined: the first one's call, and how many came
         # (every rank counts once, its call valid or not: the entry ends with the last)
@@ -46,6 +48,18 @@ class InProcessFabric:
 
     def port(self, session: int) -> InProcessPort:
         return InProcessPort(self, session)
+
+    def meeting(self, key: Hashable, size: int) -> Meeting:
+        """The meeting of the collective `key` (gone once each rank came or left)."""
+        meeting = self.meetings.get(key)
+        if meeting is None:
+            meeting = self.meetings[key] = Meeting(size, self, key)
+        return meeting
+
+    @staticmethod
+    def _expire(meetings: list[Meeting]) -> None:
+        for meeting in meetings:
+            meeting.expire()
 
 
 class _Handover(Wait):
@@ -69,27 +83,26 @@ class Meeting:
     arrive computes everyone's result at once (O(N) work for N ranks, instead of
     N log N messages) and ends every rank's call, on the spot.
 
-    One deadline serves the meeting: armed when the first rank sits down to wait
-    (with that rank's timeout), it fails every call still waiting then, naming the
-    ranks that never came. It is forgotten once every rank came or gave up, or once
+    One deadline serves the meeting: parked in the fabric's alarm when the first
+    rank sits down to wait (with that rank's timeout), it fails every call still
+    waiting then, naming the ranks that never came. It is forgotten once every rank came or gave up, or once
     a rank gave up and nobody waits in it any more (a rank that rejected its call
     never comes): a rank still to come then meets in a fresh one, which can never
     complete either, so its call fails at its deadline (or on a peer's notice)."""
 
-    __slots__ = ("size", "arrived", "waiting", "seen", "abandoned", "timer", "_meetings",
-                 "_key")
+    __slots__ = ("size", "arrived", "waiting", "seen", "abandoned", "_fabric", "_key")
 
-    def __init__(self, size: int, meetings: dict[Hashable, Meeting], key: Hashable) -> None:
-        self.size, self._meetings, self._key = size, meetings, key
+    def __init__(self, size: int, fabric: InProcessFabric, key: Hashable) -> None:
+        self.size, self._fabric, self._key = size, fabric, key
         self.arrived: dict[int, tuple[np.ndarray, np.ndarray, Datapath]] = {}
         self.waiting: dict[int, ScheduleCall] = {}  # ranks seated, waiting for the rest
         self.seen = 0
         self.abandoned = False
-        self.timer: Timer | None = None
 
     def _forget(self) -> None:
-        if self._meetings.get(self._key) is self:
-            del self._meetings[self._key]
+        meetings = self._fabric.meetings
+        if meetings.get(self._key) is self:
+            del meetings[self._key]
 
     def arrive(self, call: ScheduleCall, rank: int, src: np.ndarray, dst: np.ndarray,
                path: Datapath) -> None:
@@ -105,39 +118,55 @@ class Meeting:
             if len(arrived) == self.size:
                 self._compute(call, rank)
                 return
-        seat = _Seat(self, rank)
+        seat = _new(_Seat)  # (no __init__: one call less per waiting rank)
+        seat.done, seat.value, seat.waiter, seat.timeout_code = False, None, None, RECEIVE_TIMEOUT
+        seat.meeting, seat.rank = self, rank
         self.waiting[rank] = call
         call.waiting = seat
-        if self.timer is None:
-            self.timer = call.dev.engine.call_later(call.dev.timeout, self._expire)
+        alarm = self._fabric.alarm
+        if self not in alarm.parked:
+            alarm.park(self, call.dev.timeout)
 
     def _compute(self, last: ScheduleCall, rank: int) -> None:
         """Every rank's fingerprint equals the first's (the roll call): same count and
-        dtype. Fold in rank order, as the schedules do; then end every call."""
+        dtype. Fold, then end every call."""
         arrived = self.arrived
         retcode = 0
         try:
-            total = arrived[0][0].copy()
-            for r in range(1, self.size):
-                src, _, path = arrived[r]
-                path.combine(total, src, total)
+            total = self.fold()
             for _, d, _ in arrived.values():
                 d[...] = total
         except Exception:  # a bug in the model fails this collective, and nothing else
             log.exception("soft CCLO: internal error in allreduce (its ranks meeting in process)")
             retcode = int(ErrorCode.DMA_INTERNAL_ERROR)
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self._fabric.alarm.parked.pop(self, None)
         waiting, self.waiting = self.waiting, {}
         for call in waiting.values():
             call.waiting = None
             call.finish(retcode)
         last.finish(retcode)
 
-    def _expire(self) -> None:
+    def fold(self) -> np.ndarray:
+        """Every rank's contribution combined in rank order, as the schedules do,
+        into a new array."""
+        arrived = self.arrived
+        total, _, path = arrived[0]
+        if path.arith != path.dtype:
+            total = total.copy()
+            for r in range(1, self.size):
+                src, _, path = arrived[r]
+                path.combine(total, src, total)
+            return total
+        # (`Datapath.combine`'s common case, inline) a new array per step: numpy takes
+        # 3x as long for an output that is also an input (its overlap check), and
+        # these arrays are small
+        ufunc = path.ufunc
+        for r in range(1, self.size):
+            total = ufunc(total, arrived[r][0])
+        return total
+
+    def expire(self) -> None:
         """The deadline: the calls waiting here fail (engine context)."""
-        self.timer = None
         # every call's words first: each expiry takes its rank out of the meeting
         expiring = [(call, call.timeout_detail(call.waiting))  # type: ignore[arg-type]
                     for call in self.waiting.values()]
@@ -155,21 +184,17 @@ class Meeting:
                 self._forget()
         if not self.arrived:  # nobody waits here any more
             self._forget()
-            if self.timer is not None:
-                self.timer.cancel()
-                self.timer = None
+            self._fabric.alarm.parked.pop(self, None)
 
 
 class _Seat(Wait):
     """A rank's wait in a meeting: `SoftCall.waiting` while it waits, so that an
     abort or a peer's notice withdraws it (`expire`) as any other wait."""
 
-    __slots__ = ("meeting", "rank")
+    __slots__ = ("meeting", "rank")  # (no __init__: `Meeting.arrive` seats the rank)
 
-    def __init__(self, meeting: Meeting, rank: int) -> None:
-        self.done, self.value, self.waiter = False, None, None
-        self.timeout_code = RECEIVE_TIMEOUT
-        self.meeting, self.rank = meeting, rank
+    meeting: Meeting
+    rank: int
 
     def expire(self) -> bool:
         self.meeting.leave(self.rank, arrived=True)
@@ -190,6 +215,7 @@ class _RollCall(Collective):
     __slots__ = ("port",)  # (set by InProcessPort: no __init__, one call less per call)
 
     port: InProcessPort
+    shared = True  # one per port (`_Meet` too): what a call did there is the call's
 
     def join(self, call: CollectiveCall) -> tuple[int, str] | None:
         """The mismatch with the first rank that joined, if their calls differ."""
@@ -228,10 +254,10 @@ class _Meet(_RollCall):
         dst = views.get((args.addr_2, dtype, count))
         if dst is None:
             dst = dev.array(args.addr_2, dtype, count)
-        meetings = self.port.fabric.meetings
-        meeting = meetings.get(prefix)
+        fabric = self.port.fabric
+        meeting = fabric.meetings.get(prefix)  # (`InProcessFabric.meeting`, inline)
         if meeting is None:
-            meeting = meetings[prefix] = Meeting(comm.size, meetings, prefix)
+            meeting = fabric.meetings[prefix] = Meeting(comm.size, fabric, prefix)
         call.met = True
         meeting.arrive(call, comm.rank, src, dst, call.path)
         if dev.gone and call.waiting is not None:  # waits for a rank that left the world?
@@ -246,7 +272,7 @@ class _Meet(_RollCall):
         if not call.met:  # the others must not wait for us
             call.met = True
             assert call.comm is not None
-            self.port.meeting(call.prefix, call.comm.size).leave(call.comm.rank, False)
+            self.port.fabric.meeting(call.prefix, call.comm.size).leave(call.comm.rank, False)
 
 
 class InProcessPort(Port):
@@ -301,11 +327,3 @@ class InProcessPort(Port):
         """What session's CCLO is doing now, in words (engine context)."""
         describe = self.fabric.activities.get(session)
         return None if describe is None else describe(key)
-
-    def meeting(self, key: Hashable, size: int) -> Meeting:
-        """The meeting of the collective `key` (gone once each rank came or left)."""
-        meetings = self.fabric.meetings
-        meeting = meetings.get(key)
-        if meeting is None:
-            meeting = meetings[key] = Meeting(size, meetings, key)
-        return meeting

@@ -103,6 +103,11 @@ class Collective:
 
     __slots__ = ()
 
+    shared = False
+    """One object serves every call with the same arguments (it keeps nothing of a
+    call): a CCLO remembers it with their decoding (`SoftDevice.remember`) instead
+    of asking `Port.collective` for every call."""
+
     def join(self, call: CollectiveCall) -> tuple[int, str] | None:
         """The call is admitted, its fingerprint known: the mismatch with a peer's
         call that the fabric finds now (retcode, why), if any."""
