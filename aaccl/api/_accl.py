@@ -427,19 +427,28 @@ class ACCL:
         (`_completion`), not just its run on the device.
         """
         regions = [(region, _spans((region, region.size))) for region in sync_in]
+        book = self._hazards
         with self._lock:
-            found = self._hazards.conflicts(reads, writes)
-            blocked = [(region, span, self._hazards.conflicts(span, ()),
-                        self._hazards.conflicts((), span)) for region, span in regions]
+            found = book.conflicts(reads, writes)
+            blocked = [(region, span, book.conflicts(span, ())) for region, span in regions]
         device = self._driver.device
         synced: list[Span] = []
-        for region, span, writers, users in blocked:
+        for region, span, writers in blocked:
+            data = np.asarray(region)
+            if not writers:
+                if not book.uses(span):  # nobody uses that allocation now
+                    region.sync_to_device()
+                    continue
+                if _holds(device, span[0][1], data):
+                    continue  # readers only, and they read these very bytes
+            # who uses those bytes, only now: a buffer sent again and again has every
+            # outstanding send among its readers, and listing them all for each new
+            # send would cost time quadratic in their number
+            with self._lock:
+                users = book.conflicts((), span)
             if not users:
                 region.sync_to_device()
                 continue
-            data = np.asarray(region)
-            if not writers and _holds(device, span[0][1], data):
-                continue  # readers only, and they read these very bytes
             job = _write_later(device, span[0][1], data.copy())
             waits.append(device.run(job, users))
             synced += span
