@@ -349,11 +349,15 @@ class ACCL:
                 sync_in: Sequence[Buffer] = (), sync_out: Buffer | None = None,
                 buffers: tuple[Buffer | None, Buffer | None, Buffer | None] = (None, None, None),
                 reads: tuple[Span, ...] = (), writes: tuple[Span, ...] = (),
-                depth: int = 3, **call: Any) -> Call:
+                depth: int = 3, count: int = 0, comm_id: int | None = None,
+                root_src_dst: int = 0, function: int = 0, tag: int = TAG_ANY,
+                dtype: np.dtype | None = None, compress_dtype: np.dtype | None = None,
+                operand_dtypes: Any = None, stream_flags: int = 0) -> Call:
         """Sync inputs in, start the call after `waitfor` and after the earlier calls
         its device memory (`reads`, `writes`; `sync_in` lies within `reads`) conflicts
         with, and track it. `depth`: the user's frame as seen from `_track` (3 for a
-        public method calling this one)."""
+        public method calling this one). The rest is the call, for `Driver.start`
+        (`comm_id` None: a call without a communicator)."""
         if self._closed:
             self._check_open()
         if sync_out is not None and not sync_out.flags.writeable:
@@ -375,9 +379,10 @@ class ACCL:
         b0, b1, b2 = buffers  # checked: their addresses are known
         addrs = (0 if b0 is None else b0._address, 0 if b1 is None else b1._address,
                  0 if b2 is None else b2._address)
-        device_call = self._driver.start(scenario, addrs=addrs, waitfor=waits,  # type: ignore[arg-type]
-                                         **call)
-        comm_id = call.get("comm_id")
+        device_call = self._driver.start(  # (by position: keywords cost on every call)
+            scenario, count, GLOBAL_COMM if comm_id is None else comm_id, root_src_dst,
+            function, tag, dtype, compress_dtype, operand_dtypes, stream_flags,
+            addrs, waits)  # type: ignore[arg-type]  # (checked buffers: their addresses known)
         result = self._track(op, "cclo", device_call, deps, submitted,
                              None if sync_out is None else sync_out.sync_from_device, buffers,
                              reads=reads, writes=writes, hazards=hazards,

@@ -243,13 +243,14 @@ class Driver:
 
     # -- calls ------------------------------------------------------------------------
 
-    def start(self, scenario: Scenario, *, count: int = 0, comm_id: int = GLOBAL_COMM,
+    def start(self, scenario: Scenario, count: int = 0, comm_id: int = GLOBAL_COMM,
               root_src_dst: int = 0, function: int = 0, tag: int = TAG_ANY,
               dtype: np.dtype | None = None, compress_dtype: np.dtype | None = None,
               operand_dtypes: OperandDtypes | None = None,
               stream_flags: int = 0, addrs: tuple[int, int, int] = (0, 0, 0),
               waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
-        """Encode one call and hand it to the device.
+        """Encode one call and hand it to the device. (Its arguments may come by
+        position, in this order: `ACCL._submit` passes them so, on every call's path.)
 
         `dtype` is the element type of every buffer, `compress_dtype` the one on the
         wire (ETH_COMPRESSED). For buffers of mixed precision pass `operand_dtypes`
