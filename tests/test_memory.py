@@ -463,6 +463,30 @@ async def test_a_finished_call_is_held_by_nothing_once_dropped() -> None:
             await wait_until(lambda: gone() is None)
 
 
+def test_a_finished_call_on_the_emulator_protocol_is_held_by_nothing() -> None:
+    """The same on a device whose calls run one at a time on its own thread (ACCL's
+    emulator protocol, faked): that thread lets go of a call once it ended."""
+    pytest.importorskip("zmq", reason="the emulator device needs pyzmq")
+    from test_emulator_protocol import FakeEmulator
+
+    fake = FakeEmulator()
+
+    async def main(accl: aaccl.ACCL) -> None:
+        src, dst = accl.allocate(8, np.float32), accl.allocate(8, np.float32)
+        for make in (lambda: accl.copy(src, dst, 8), lambda: accl.nop(),
+                     lambda: accl.sync_to_device(src)):
+            call = make()
+            await call
+            gone = weakref.ref(call)
+            del call
+            await wait_until(lambda: gone() is None)
+
+    try:
+        aaccl.run(main, 1, device="emulator", emulator_port=fake.port, timeout=5)
+    finally:
+        fake.close()
+
+
 # -- a call's wakers ---------------------------------------------------------------------------
 
 @pytest.mark.anyio

@@ -171,6 +171,7 @@ class SerialDevice(Device):
                     error = DeviceError(f"{self!r} failed the call: {error!r}")
                 if not call.done():
                     call.complete(error=error)
+            del call  # the user's: not kept while this thread waits for the next
 
     def _execute(self, call: DeviceCall) -> None:
         if self._stuck_since is not None and not self._unstuck():
