@@ -5,27 +5,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from ._call import Call, CallArgs, joined
+from ._call import Call, CallArgs, Poller, joined
 
 
 DeviceCall = Call
 """A call as devices make and complete it: the same object the user awaits."""
-
-
-class Poller(Protocol):
-    """Progress a waiting task can make itself on a device (the MPI fabric): see
-    `aaccl.api._bridge.wait`."""
-
-    def poll(self) -> object:
-        """Make progress once, on the calling thread."""
-
-    def park(self) -> None:
-        """A task stopped polling before its call finished: the device's own thread
-        takes over."""
 
 
 def in_sequence(device: Device, whole: CallArgs, steps: Sequence[CallArgs],

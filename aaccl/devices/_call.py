@@ -22,13 +22,10 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from types import CodeType
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from .. import _trace
 from .._errors import Aborted, ACCLError, DependencyError
-
-if TYPE_CHECKING:
-    from ._base import Poller
 
 log = logging.getLogger("aaccl")
 
@@ -60,6 +57,18 @@ class CallArgs(NamedTuple):
     addr_0: int
     addr_1: int
     addr_2: int
+
+
+class Poller(Protocol):
+    """Progress a task waiting for a call can make itself on its device (the MPI
+    fabric): see `aaccl.api._bridge.wait`."""
+
+    def poll(self) -> object:
+        """Make progress once, on the calling thread."""
+
+    def park(self) -> None:
+        """A task stopped polling before its call finished: the device's own thread
+        takes over."""
 
 
 class Owner(Protocol):
