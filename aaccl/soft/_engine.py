@@ -108,9 +108,12 @@ class Alarm:
         deadline = time.monotonic() + timeout
         self.parked[key] = deadline
         if deadline < self.at:
-            self._set(timeout, deadline)
+            self.set(timeout, deadline)
 
-    def _set(self, delay: float, at: float) -> None:
+    def set(self, delay: float, at: float) -> None:
+        """Set the timer for `at`, `delay` seconds from now: a deadline parked before
+        the one it is set for (`park` does it; a caller that parks in line, one
+        call less, calls this only then)."""
         if self._timer is not None:
             self._timer.cancel()
         self._timer, self.at = self._engine.call_later(delay, self._look), at
@@ -127,7 +130,7 @@ class Alarm:
             delay = ALARM_STEP
             while delay * 2 <= first - now:
                 delay *= 2
-            self._set(delay, now + delay)
+            self.set(delay, now + delay)
         if overdue:
             self._expire(overdue)
 

@@ -27,7 +27,6 @@ turn later; if it never ends, neither does the lane, and nothing waits on it.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -38,7 +37,7 @@ import numpy as np
 
 from ..._constants import ErrorCode, ReduceFunction, Scenario
 from ..._errors import Aborted
-from .._engine import Engine, Timer, Wait
+from .._engine import Alarm, Engine, Wait
 from .._failure import CallFailed
 from . import _blocks as blocks
 from ._blocks import BLOCK, PENDING, agree, encode
@@ -59,10 +58,6 @@ _REDUCING = frozenset({Scenario.REDUCE, Scenario.ALLREDUCE, Scenario.REDUCE_SCAT
 
 Post = Callable[..., None]
 _new = object.__new__
-
-ALARM_STEP = 0.001
-"""Seconds: the shortest delay of the lane's alarm (see `Lane._look`); the others
-are this times a power of two."""
 
 SHAPES_KEPT = 4096
 """Distinct fingerprints whose shapes a lane keeps (`Lane.shapes`)."""
@@ -156,12 +151,12 @@ class Op:
 class Lane:
     """The world communicator's collectives of one process, in MPI's order."""
 
-    def __init__(self, comm: Any, post: Post, ended: Sequence[str] = ()) -> None:
+    def __init__(self, comm: Any, engine: Engine, ended: Sequence[str] = ()) -> None:
         """`ended`: why a process of the job has ended, once one has (its first
         item; a list that whoever learns it fills): the world's collectives can never
         complete then, and nothing more is started in MPI (which may crash sending to
         a dead process)."""
-        self.comm, self.size, self._post, self._ended = comm, comm.Get_size(), post, ended
+        self.comm, self.size, self._post, self._ended = comm, comm.Get_size(), engine.post, ended
         self._lock = threading.Lock()
         self._queue: deque[Op] = deque()  # admitted, opening not started yet
         self._opening: tuple[Any, Op] | None = None  # in flight: holds the lane back
@@ -178,12 +173,9 @@ class Lane:
         # elements this rank puts in its block, and how far the call reaches into its
         # operand and result (False: the data does not ride in it); see LaneTurn.start
         self.shapes: dict[Fingerprint, Shape | bool] = {}
-        # engine context: the calls parked on their openings (LaneTurn.start), by
-        # deadline, and the one engine timer that looks at them (`alarm`, `_look`)
-        self.parked: dict[LaneTurn, float] = {}
-        self._alarm: Timer | None = None
-        self._alarm_at = math.inf
-        self._engine: Engine | None = None  # (the parked calls' engine)
+        # engine context: the calls parked on their openings (LaneTurn.start), with
+        # their deadlines, under one engine timer: a call costs no timer of its own
+        self.alarm = Alarm(engine, self._expire)
 
     # -- engine context -------------------------------------------------------------
 
@@ -255,39 +247,14 @@ class Lane:
                     return
         self.start(op, block, None)
 
-    def alarm(self, engine: Engine, timeout: float, deadline: float) -> None:
-        """Set the alarm for `deadline`, `timeout` seconds from now, which comes
-        before the one it is set for (if any): the first parked call's, or one whose
-        timeout was shortened. A call is parked (LaneTurn.start) with its deadline in
-        `parked`; one engine timer looks at them all (`_look`), so a call costs no
-        timer of its own, as calls come one after another."""
-        if self._alarm is not None:
-            self._alarm.cancel()
-        self._alarm, self._alarm_at = engine.call_later(timeout, self._look), deadline
-        self._engine = engine
-
-    def _look(self) -> None:
-        """The alarm (engine context): the calls parked past their deadlines expire;
-        the alarm is set again for the first of the others. (The engine keeps its
-        timers by delay, so the delay is the largest of a few fixed ones that is not
-        longer than what is left: an alarm goes off a few times on its way to a far
-        deadline, and one late by at most ALARM_STEP.)"""
-        self._alarm, self._alarm_at = None, math.inf
-        now = time.monotonic()
-        overdue = [turn for turn, deadline in self.parked.items() if deadline <= now]
-        # every call's words first, as they are at the deadline
+    @staticmethod
+    def _expire(overdue: list[LaneTurn]) -> None:
+        """Calls parked past their deadlines (engine context) expire, every call's
+        words first, as they are at the deadline."""
         expiring = [(turn.call, turn.call.timeout_detail(turn.call.waiting))
                     for turn in overdue if turn.call is not None and turn.call.waiting is not None]
         for call, detail in expiring:
             call.expire(detail)
-        for turn in overdue:
-            self.parked.pop(turn, None)
-        if self.parked and self._engine is not None:
-            first = min(self.parked.values())
-            delay = ALARM_STEP
-            while delay * 2 <= first - now:
-                delay *= 2
-            self._alarm, self._alarm_at = self._engine.call_later(delay, self._look), now + delay
 
     # -- any thread -----------------------------------------------------------------
 
@@ -672,10 +639,10 @@ class LaneTurn(Collective):
         opening.turn = self
         opening.waiter = self._opened
         call.waiting = opening
-        deadline = time.monotonic() + dev.timeout
-        lane.parked[self] = deadline
-        if deadline < lane._alarm_at:
-            lane.alarm(dev.engine, dev.timeout, deadline)
+        alarm = lane.alarm  # (`Alarm.park`, inline: on every small collective's path)
+        alarm.parked[self] = deadline = time.monotonic() + dev.timeout
+        if deadline < alarm.at:
+            alarm.set(dev.timeout, deadline)
         return True
 
     def _begin(self, call: ScheduleCall, op0: np.ndarray | None, res: np.ndarray | None,
@@ -698,7 +665,7 @@ class LaneTurn(Collective):
         assert call is not None and isinstance(wait, Opening)
         wait.turn = self.call = None
         call.waiting = None
-        del self.lane.parked[self]
+        del self.lane.alarm.parked[self]
         opened = wait.value
         if type(opened) is tuple and opened[1]:  # (gathered, agreed, moving): all agree
             op0, res, comm, path, fold = self.op0, self.res, call.comm, call.path, self.fold
@@ -734,7 +701,7 @@ class LaneTurn(Collective):
         if call is None:
             return
         self.call = self.op0 = self.res = None
-        self.lane.parked.pop(self, None)
+        self.lane.alarm.parked.pop(self, None)
         if not call.failure and call.aborting is None:  # its deadline: it gave up
             self.leave(call, RECEIVE_TIMEOUT, None, timed_out=True)
         call.abandon()

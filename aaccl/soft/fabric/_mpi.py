@@ -177,7 +177,7 @@ class MPIFabric:
         # the world's collectives run as MPI collectives, on a communicator of their own
         self.lane: Lane | None = None
         if self.size > 1 and os.environ.get("AACCL_MPI_COLLECTIVES", "1") != "0":
-            self.lane = Lane(self.comm.Dup(), self.engine.post, _ended)
+            self.lane = Lane(self.comm.Dup(), self.engine, _ended)
         self.world_key = tuple(range(self.size))
         # the peers whose processes this one can watch (same kernel, same pid namespace)
         here = _machine()
