@@ -111,3 +111,29 @@ def test_a_small_allreduce_over_mpi_stays_within_its_python_call_budget() -> Non
     assert max(counts) <= MPI_ALLREDUCE_BUDGET, (
         f"one small allreduce over MPI makes {max(counts):.2f} Python calls per rank, over "
         f"its budget of {MPI_ALLREDUCE_BUDGET}")
+
+
+def test_a_loop_of_small_calls_asks_asyncio_for_its_loop_once(monkeypatch) -> None:
+    """asyncio's `_get_running_loop` makes a system call (getpid) each time: a rank
+    finds its loop once, then checks the thread it runs in (`running_loop`)."""
+    from aaccl.devices import _call
+
+    asked = 0
+    real = _call._running_loop
+
+    def counted() -> object:
+        nonlocal asked
+        asked += 1
+        return real()
+
+    async def main() -> None:
+        async with aaccl.open_world(2) as accls:
+            bufs = [(a.allocate(1, np.float32), a.allocate(1, np.float32)) for a in accls]
+            for _ in range(100):
+                await asyncio.gather(*(a.allreduce(s, d, 1, ReduceFunction.SUM, from_fpga=True,
+                                                   to_fpga=True)
+                                       for a, (s, d) in zip(accls, bufs)))
+
+    monkeypatch.setattr(_call, "_running_loop", counted)
+    asyncio.run(main())
+    assert asked <= 2, f"200 small calls asked asyncio for the running loop {asked} times"

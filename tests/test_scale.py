@@ -145,7 +145,7 @@ def test_a_failed_chain_of_100000_calls_reports_its_root_without_recursion(caplo
     n = 100_000
 
     class Rank:  # what adopts the calls: their outcome as a rank works it out
-        _poller = None
+        _poller = _loop = None
         _outcome = staticmethod(outcome)
 
     def adopted(name: str, deps: tuple[aaccl.Call, ...]) -> aaccl.Call:

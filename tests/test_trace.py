@@ -107,7 +107,7 @@ def test_a_calls_end_is_stamped_before_its_owner_is_told() -> None:
     told: list[tuple[int, int]] = []
 
     class Owner:
-        _poller = None
+        _poller = _loop = None
 
         @staticmethod
         def _outcome(dev: DeviceCall) -> None:

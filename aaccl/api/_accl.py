@@ -20,6 +20,7 @@ from .._constants import GLOBAL_COMM, TAG_ANY, ReduceFunction, Scenario, StreamF
 from .._errors import DependencyError
 from .._threads import quietly
 from ..devices import Device, DeviceCall
+from ..devices._call import running_loop
 from ..driver import Driver
 from . import _bridge
 from . import _checks as check
@@ -40,7 +41,7 @@ _NO_REDUCTION = object()  # `_all`'s func for the collectives that reduce nothin
 BOTH_STREAMS = OP0_STREAM | RES_STREAM
 _SEND, _RECV, _NOP = Scenario.SEND, Scenario.RECV, Scenario.NOP
 _weakref = weakref.ref
-_running_loop = asyncio._get_running_loop  # None outside asyncio (trio, a thread)
+_ident = threading.get_ident
 
 
 def _head(buf: Buffer, elements: int) -> Buffer:
@@ -183,6 +184,7 @@ class ACCL:
         self._departed = False  # told the other ranks it left (`_depart`)
         # progress a waiting task makes itself (the MPI fabric), see _bridge.wait
         self._poller: _bridge.Poller | None = driver.device.poller
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop last found running its calls
 
     @classmethod
     async def open(cls, driver: Driver) -> ACCL:
@@ -392,7 +394,9 @@ class ACCL:
                              depth=depth)
         if comm_id is not None and scenario is not _SEND and scenario is not _RECV:
             # a collective: which task issues it, against the last one on its order
-            loop = _running_loop()
+            loop = self._loop  # (`running_loop`, its common case inline)
+            if loop is None or loop._thread_id != _ident():  # type: ignore[attr-defined]
+                loop = running_loop(self)
             task = asyncio_task(loop) if loop is not None else current_task()
             order = self._orders.get(comm_id) or self._message_order(comm_id)
             last = order.last

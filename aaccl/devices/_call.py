@@ -31,6 +31,8 @@ log = logging.getLogger("aaccl")
 
 _Future = asyncio.Future
 _running_loop = asyncio._get_running_loop  # None outside asyncio (trio, a thread)
+_ident = threading.get_ident
+_UNKNOWN = object()  # a loop that does not say which thread runs it (not asyncio's own)
 _now = time.perf_counter_ns
 
 Origin = tuple[CodeType, int, dict[str, Any]]
@@ -78,6 +80,9 @@ class Owner(Protocol):
     _poller: Poller | None
     """Progress a waiting task makes itself (the MPI fabric), or None."""
 
+    _loop: asyncio.AbstractEventLoop | None
+    """The asyncio loop last found running its calls (`running_loop`), or None."""
+
     def _outcome(self, call: Call) -> BaseException | None:
         """The error the call raises (its return code, a failed host sync), or None;
         on the completing thread, before anyone can see the call done."""
@@ -86,11 +91,25 @@ class Owner(Protocol):
         """An awaitable that returns once `call` finished (trio, or a poller's)."""
 
 
+def running_loop(owner: Owner) -> asyncio.AbstractEventLoop | None:
+    """The asyncio loop running in this thread, or None (trio, a thread of its own).
+
+    asyncio's own lookup costs a system call (getpid, against a fork) every time;
+    a call's path needs it two or three times. A loop of asyncio's runs in the
+    thread whose ident it holds (`_thread_id`, None once it stopped), so the loop
+    `owner` found last is checked against the thread instead, and only another
+    loop (or none) is looked up. Callers inline the check; this is the lookup."""
+    loop = _running_loop()
+    owner._loop = loop if isinstance(loop, asyncio.BaseEventLoop) else None
+    return loop
+
+
 def _wake(future: asyncio.Future[None]) -> None:
     """Resume a task of asyncio awaiting a call: in line on its loop's thread (no
     system call), through the loop's thread-safe entry from any other."""
     loop = future.get_loop()
-    if _running_loop() is loop:
+    thread = getattr(loop, "_thread_id", _UNKNOWN)  # (`running_loop`)
+    if thread == _ident() or thread is _UNKNOWN and _running_loop() is loop:
         if not future.done():  # a cancelled await has gone away
             future.set_result(None)
         return
@@ -372,7 +391,11 @@ class Call:
             trace = _trace._active
             began = _now() if trace is not None else 0
             try:
-                loop = _running_loop() if owner._poller is None else None
+                loop = None
+                if owner._poller is None:
+                    loop = owner._loop  # (`running_loop`, its common case inline)
+                    if loop is None or loop._thread_id != _ident():  # type: ignore[attr-defined]
+                        loop = running_loop(owner)
                 if loop is not None:  # asyncio: the future is the waker (see _wake)
                     future = loop.create_future()
                     with self._lock:
