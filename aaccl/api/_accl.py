@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import sys
 import threading
 import time
@@ -133,24 +131,6 @@ def _holds(device: Device, address: int, data: np.ndarray) -> bool:
                for i in range(0, want.size, _CHUNK))
 
 
-def _collective(method: Callable[..., Call]) -> Callable[..., Call]:
-    """A collective whose arguments this rank rejects still takes its place among
-    the communicator's collectives, where the device can say so (the soft CCLO):
-    the peers' calls of it fail at once, naming this rank and the error, instead of
-    timing out or, worse, matching this rank's next collective."""
-    signature = inspect.signature(method)
-
-    @functools.wraps(method)
-    def submit(self: ACCL, *args: Any, **kwargs: Any) -> Call:
-        try:
-            return method(self, *args, **kwargs)
-        except (TypeError, ValueError) as exc:
-            self._rejected(method.__name__, signature, (self, *args), kwargs, exc)
-            raise
-
-    return submit
-
-
 class ACCL:
     """One rank: its CCLO, its buffers, and the operations it runs.
 
@@ -251,15 +231,15 @@ class ACCL:
             self._departed = True
             self._driver.device.leave(reason, range(self._size))
 
-    def _rejected(self, op: str, signature: inspect.Signature, args: tuple[Any, ...],
-                  kwargs: dict[str, Any], exc: Exception) -> None:
-        """Tell the communicator that this rank's collective `op` will not happen."""
+    def _rejected(self, op: str, comm_id: object, exc: Exception) -> None:
+        """This rank rejected its collective `op` on `comm_id` (raising `exc`): the
+        call still takes its place among the communicator's collectives, where the
+        device can say so (the soft CCLO), so that the peers' calls of it fail at once,
+        naming this rank and the error, instead of timing out or, worse, matching this
+        rank's next collective. (Every collective catches its own checks' errors: a
+        wrapper around each would cost a frame and its arguments' repacking per call.)"""
         if self._closed:
             return
-        try:
-            comm_id = signature.bind(*args, **kwargs).arguments.get("comm_id", GLOBAL_COMM)
-        except TypeError:
-            comm_id = GLOBAL_COMM  # called with arguments that do not even bind
         if isinstance(comm_id, bool) or not isinstance(comm_id, int) \
                 or not 0 <= comm_id < len(self._driver.communicators):
             return  # no communicator to tell
@@ -721,72 +701,81 @@ class ACCL:
 
     # -- collectives ------------------------------------------------------------------
 
-    @_collective
     def bcast(self, buf: Buffer, count: int, root: int, comm_id: int = GLOBAL_COMM,
               from_fpga: bool = False, to_fpga: bool = False, compress_dtype: Any = None,
               *, waitfor: Calls = ()) -> Call:
         """Copy root's buf[:count] into every rank's buf."""
-        check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
-        size = self._comm_size(comm_id)
-        n, r = check.count(count), check.index(root, "root", size)
-        b = check.buffer(buf, "buf", self, n)
-        wire = check.compression(b.dtype, compress_dtype)
-        is_root = r == self._comm_rank(comm_id)
-        return self._submit("bcast", Scenario.BCAST, waitfor, depth=4, count=n, comm_id=comm_id,
-                            root_src_dst=r, dtype=b.dtype, compress_dtype=wire,
-                            buffers=(b, None, b),
-                            reads=_spans((b, n)) if is_root else (),
-                            writes=() if is_root else _spans((b, n)),
-                            sync_in=(_head(b, n),) if is_root and not from_fpga else (),
-                            # the root's host copy is current unless its data came from the device
-                            sync_out=None if to_fpga or (is_root and not from_fpga)
-                            else _head(b, n))
+        try:
+            check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
+            size = self._comm_size(comm_id)
+            n, r = check.count(count), check.index(root, "root", size)
+            b = check.buffer(buf, "buf", self, n)
+            wire = check.compression(b.dtype, compress_dtype)
+            is_root = r == self._comm_rank(comm_id)
+            return self._submit("bcast", Scenario.BCAST, waitfor, count=n, comm_id=comm_id,
+                                root_src_dst=r, dtype=b.dtype, compress_dtype=wire,
+                                buffers=(b, None, b),
+                                reads=_spans((b, n)) if is_root else (),
+                                writes=() if is_root else _spans((b, n)),
+                                sync_in=(_head(b, n),) if is_root and not from_fpga else (),
+                                # the root's host copy is current unless its data came
+                                # from the device
+                                sync_out=None if to_fpga or (is_root and not from_fpga)
+                                else _head(b, n))
+        except (TypeError, ValueError) as exc:
+            self._rejected("bcast", comm_id, exc)
+            raise
 
-    @_collective
     def scatter(self, sbuf: Buffer | None, rbuf: Buffer, count: int, root: int,
                 comm_id: int = GLOBAL_COMM, from_fpga: bool = False, to_fpga: bool = False,
                 compress_dtype: Any = None, *, waitfor: Calls = ()) -> Call:
         """Root's sbuf holds `count` elements per rank; rank i receives chunk i in rbuf."""
-        check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
-        size = self._comm_size(comm_id)
-        n, r = check.count(count), check.index(root, "root", size)
-        is_root = r == self._comm_rank(comm_id)
-        s = check.buffer(sbuf, "sbuf", self, n * size) if is_root or sbuf is not None else None
-        d = check.buffer(rbuf, "rbuf", self, n)
-        dtype = check.same_dtype(sbuf=s, rbuf=d)
-        wire = check.compression(dtype, compress_dtype)
-        return self._submit("scatter", Scenario.SCATTER, waitfor, depth=4, count=n, comm_id=comm_id,
-                            root_src_dst=r, dtype=dtype, compress_dtype=wire,
-                            buffers=(s, None, d),
-                            reads=_spans((s, n * size)) if is_root else (),
-                            writes=_spans((d, n)),
-                            sync_in=(_head(s, n * size),) if is_root and s is not None
-                            and not from_fpga else (),
-                            sync_out=None if to_fpga else _head(d, n))
+        try:
+            check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
+            size = self._comm_size(comm_id)
+            n, r = check.count(count), check.index(root, "root", size)
+            is_root = r == self._comm_rank(comm_id)
+            s = check.buffer(sbuf, "sbuf", self, n * size) if is_root or sbuf is not None else None
+            d = check.buffer(rbuf, "rbuf", self, n)
+            dtype = check.same_dtype(sbuf=s, rbuf=d)
+            wire = check.compression(dtype, compress_dtype)
+            return self._submit("scatter", Scenario.SCATTER, waitfor, count=n, comm_id=comm_id,
+                                root_src_dst=r, dtype=dtype, compress_dtype=wire,
+                                buffers=(s, None, d),
+                                reads=_spans((s, n * size)) if is_root else (),
+                                writes=_spans((d, n)),
+                                sync_in=(_head(s, n * size),) if is_root and s is not None
+                                and not from_fpga else (),
+                                sync_out=None if to_fpga else _head(d, n))
+        except (TypeError, ValueError) as exc:
+            self._rejected("scatter", comm_id, exc)
+            raise
 
-    @_collective
     def gather(self, sbuf: Buffer, rbuf: Buffer | None, count: int, root: int,
                comm_id: int = GLOBAL_COMM, from_fpga: bool = False, to_fpga: bool = False,
                compress_dtype: Any = None, *, waitfor: Calls = ()) -> Call:
         """Root's rbuf receives every rank's sbuf[:count], in rank order."""
-        check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
-        size = self._comm_size(comm_id)
-        n, r = check.count(count), check.index(root, "root", size)
-        is_root = r == self._comm_rank(comm_id)
-        s = check.buffer(sbuf, "sbuf", self, n)
-        d = check.buffer(rbuf, "rbuf", self, n * size) if is_root or rbuf is not None else None
-        dtype = check.same_dtype(sbuf=s, rbuf=d)
-        wire = check.compression(dtype, compress_dtype)
-        return self._submit("gather", Scenario.GATHER, waitfor, depth=4, count=n, comm_id=comm_id,
-                            root_src_dst=r, dtype=dtype, compress_dtype=wire,
-                            buffers=(s, None, d),
-                            reads=_spans((s, n)),
-                            writes=_spans((d, n * size)) if is_root else (),
-                            sync_in=() if from_fpga else (_head(s, n),),
-                            sync_out=_head(d, n * size) if is_root and d is not None
-                            and not to_fpga else None)
+        try:
+            check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
+            size = self._comm_size(comm_id)
+            n, r = check.count(count), check.index(root, "root", size)
+            is_root = r == self._comm_rank(comm_id)
+            s = check.buffer(sbuf, "sbuf", self, n)
+            d = check.buffer(rbuf, "rbuf", self, n * size) if is_root or rbuf is not None else None
+            dtype = check.same_dtype(sbuf=s, rbuf=d)
+            wire = check.compression(dtype, compress_dtype)
+            return self._submit("gather", Scenario.GATHER, waitfor, count=n, comm_id=comm_id,
+                                root_src_dst=r, dtype=dtype, compress_dtype=wire,
+                                buffers=(s, None, d),
+                                reads=_spans((s, n)),
+                                writes=_spans((d, n * size)) if is_root else (),
+                                sync_in=() if from_fpga else (_head(s, n),),
+                                sync_out=_head(d, n * size) if is_root and d is not None
+                                and not to_fpga else None)
+        except (TypeError, ValueError) as exc:
+            self._rejected("gather", comm_id, exc)
+            raise
 
-    @_collective
     def reduce(self, sbuf: Buffer, rbuf: Buffer | None, count: int, root: int,
                func: ReduceFunction, comm_id: int = GLOBAL_COMM, from_fpga: bool = False,
                to_fpga: bool = False, compress_dtype: Any = None, *, stream_flags: int = 0,
@@ -794,54 +783,61 @@ class ACCL:
         """Root's rbuf receives func over every rank's sbuf[:count]. With OP0_STREAM
         each rank's contribution comes from its kernel stream, with RES_STREAM the
         root's result goes to its kernel stream (those buffers only give the dtype)."""
-        check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
-        size = self._comm_size(comm_id)
-        n, r, fn = check.count(count), check.index(root, "root", size), check.function(func)
-        flags = check.stream_flags(stream_flags, "reduce", BOTH_STREAMS)
-        is_root = r == self._comm_rank(comm_id)
-        s = check.buffer(sbuf, "sbuf", self, 0 if flags & OP0_STREAM else n)
-        d = check.buffer(rbuf, "rbuf", self, 0 if flags & RES_STREAM else n) \
-            if is_root or rbuf is not None else None
-        dtype = check.same_dtype(sbuf=s, rbuf=d)
-        wire = check.compression(dtype, compress_dtype)
-        return self._submit("reduce", Scenario.REDUCE, waitfor, depth=4, count=n, comm_id=comm_id,
-                            root_src_dst=r, function=int(fn), dtype=dtype, compress_dtype=wire,
-                            stream_flags=flags, buffers=(s, None, d),
-                            **_in_memory(flags, (s, n), (d, n) if is_root and d is not None
-                                         else None, from_fpga, to_fpga))
+        try:
+            check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
+            size = self._comm_size(comm_id)
+            n, r, fn = check.count(count), check.index(root, "root", size), check.function(func)
+            flags = check.stream_flags(stream_flags, "reduce", BOTH_STREAMS)
+            is_root = r == self._comm_rank(comm_id)
+            s = check.buffer(sbuf, "sbuf", self, 0 if flags & OP0_STREAM else n)
+            d = check.buffer(rbuf, "rbuf", self, 0 if flags & RES_STREAM else n) \
+                if is_root or rbuf is not None else None
+            dtype = check.same_dtype(sbuf=s, rbuf=d)
+            wire = check.compression(dtype, compress_dtype)
+            return self._submit("reduce", Scenario.REDUCE, waitfor, count=n, comm_id=comm_id,
+                                root_src_dst=r, function=int(fn), dtype=dtype, compress_dtype=wire,
+                                stream_flags=flags, buffers=(s, None, d),
+                                **_in_memory(flags, (s, n), (d, n) if is_root and d is not None
+                                             else None, from_fpga, to_fpga))
+        except (TypeError, ValueError) as exc:
+            self._rejected("reduce", comm_id, exc)
+            raise
 
     def _all(self, op: str, scenario: Scenario, sbuf: Buffer, rbuf: Buffer, count: int,
              chunked_in: bool, chunked_out: bool, func: Any, comm_id: int, from_fpga: bool,
              to_fpga: bool, compress_dtype: Any, waitfor: Calls) -> Call:
         """Collectives where every rank both sends and receives; a chunked buffer holds
         `count` elements per rank; `func` is _NO_REDUCTION for those that reduce nothing."""
-        if type(from_fpga) is not bool or type(to_fpga) is not bool:
-            check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
-        function = 0 if func is _NO_REDUCTION else int(
-            func if type(func) is ReduceFunction else check.function(func))
-        comms = self._driver.communicators
-        size = len(comms[comm_id][1].ranks) if type(comm_id) is int \
-            and 0 <= comm_id < len(comms) else self._comm_size(comm_id)
-        inputs, outputs = (size if chunked_in else 1), (size if chunked_out else 1)
-        n = count if type(count) is int and 0 <= count < _COUNT_END else check.count(count)
-        s, d = check.buffers(sbuf, rbuf, self, n * inputs, n * outputs)
-        dtype = s.dtype
-        if d.dtype != dtype:
-            check.same_dtype(sbuf=s, rbuf=d)
-        wire = None if compress_dtype is None else check.compression(dtype, compress_dtype)
-        s_at, d_at = s._address, d._address  # (looked up by check.buffer)
-        assert s_at is not None and d_at is not None and s._allocation and d._allocation
-        return self._submit(op, scenario, waitfor, count=n, comm_id=comm_id, function=function,
-                            dtype=dtype, compress_dtype=wire, buffers=(s, d, d),
-                            reads=((s._allocation.address, s_at,
-                                    s_at + n * inputs * s.itemsize),) if n else (),
-                            writes=((d._allocation.address, d_at,
-                                     d_at + n * outputs * d.itemsize),) if n else (),
-                            sync_in=() if from_fpga else (_head(s, n * inputs),),
-                            sync_out=None if to_fpga else _head(d, n * outputs),
-                            depth=5)  # _track <- _submit <- _all <- allreduce <- wrapper
+        try:
+            if type(from_fpga) is not bool or type(to_fpga) is not bool:
+                check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
+            function = 0 if func is _NO_REDUCTION else int(
+                func if type(func) is ReduceFunction else check.function(func))
+            comms = self._driver.communicators
+            size = len(comms[comm_id][1].ranks) if type(comm_id) is int \
+                and 0 <= comm_id < len(comms) else self._comm_size(comm_id)
+            inputs, outputs = (size if chunked_in else 1), (size if chunked_out else 1)
+            n = count if type(count) is int and 0 <= count < _COUNT_END else check.count(count)
+            s, d = check.buffers(sbuf, rbuf, self, n * inputs, n * outputs)
+            dtype = s.dtype
+            if d.dtype != dtype:
+                check.same_dtype(sbuf=s, rbuf=d)
+            wire = None if compress_dtype is None else check.compression(dtype, compress_dtype)
+            s_at, d_at = s._address, d._address  # (looked up by check.buffer)
+            assert s_at is not None and d_at is not None and s._allocation and d._allocation
+            return self._submit(op, scenario, waitfor, count=n, comm_id=comm_id, function=function,
+                                dtype=dtype, compress_dtype=wire, buffers=(s, d, d),
+                                reads=((s._allocation.address, s_at,
+                                        s_at + n * inputs * s.itemsize),) if n else (),
+                                writes=((d._allocation.address, d_at,
+                                         d_at + n * outputs * d.itemsize),) if n else (),
+                                sync_in=() if from_fpga else (_head(s, n * inputs),),
+                                sync_out=None if to_fpga else _head(d, n * outputs),
+                                depth=4)  # _track <- _submit <- _all <- allreduce
+        except (TypeError, ValueError) as exc:
+            self._rejected(op, comm_id, exc)
+            raise
 
-    @_collective
     def allgather(self, sbuf: Buffer, rbuf: Buffer, count: int, comm_id: int = GLOBAL_COMM,
                   from_fpga: bool = False, to_fpga: bool = False, compress_dtype: Any = None,
                   *, waitfor: Calls = ()) -> Call:
@@ -849,7 +845,6 @@ class ACCL:
         return self._all("allgather", Scenario.ALLGATHER, sbuf, rbuf, count, False, True,
                          _NO_REDUCTION, comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 
-    @_collective
     def allreduce(self, sbuf: Buffer, rbuf: Buffer, count: int, func: ReduceFunction,
                   comm_id: int = GLOBAL_COMM, from_fpga: bool = False, to_fpga: bool = False,
                   compress_dtype: Any = None, *, waitfor: Calls = ()) -> Call:
@@ -857,7 +852,6 @@ class ACCL:
         return self._all("allreduce", Scenario.ALLREDUCE, sbuf, rbuf, count, False, False, func,
                          comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 
-    @_collective
     def reduce_scatter(self, sbuf: Buffer, rbuf: Buffer, count: int, func: ReduceFunction,
                        comm_id: int = GLOBAL_COMM, from_fpga: bool = False,
                        to_fpga: bool = False, compress_dtype: Any = None,
@@ -867,7 +861,6 @@ class ACCL:
         return self._all("reduce_scatter", Scenario.REDUCE_SCATTER, sbuf, rbuf, count, True, False,
                          func, comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 
-    @_collective
     def alltoall(self, sbuf: Buffer, rbuf: Buffer, count: int, comm_id: int = GLOBAL_COMM,
                  from_fpga: bool = False, to_fpga: bool = False, compress_dtype: Any = None,
                  *, waitfor: Calls = ()) -> Call:
@@ -875,9 +868,12 @@ class ACCL:
         return self._all("alltoall", Scenario.ALLTOALL, sbuf, rbuf, count, True, True,
                          _NO_REDUCTION, comm_id, from_fpga, to_fpga, compress_dtype, waitfor)
 
-    @_collective
     def barrier(self, comm_id: int = GLOBAL_COMM, *, waitfor: Calls = ()) -> Call:
         """Completes once every rank of the communicator has entered the barrier."""
-        self._comm_size(comm_id)
-        return self._submit("barrier", Scenario.BARRIER, waitfor, depth=4, comm_id=comm_id,
-                            dtype=np.dtype(np.float32))
+        try:
+            self._comm_size(comm_id)
+            return self._submit("barrier", Scenario.BARRIER, waitfor, comm_id=comm_id,
+                                dtype=np.dtype(np.float32))
+        except (TypeError, ValueError) as exc:
+            self._rejected("barrier", comm_id, exc)
+            raise

@@ -101,6 +101,7 @@ async def sweep(accl: ACCL, sizes: Sequence[int] = SIZES, rendezvous: bool = Fal
         elif op in ("scatter", "gather"):
             await getattr(accl, op)(src, dst, count, root)
         elif op == "reduce":
+            assert func is not None  # (a reducing op: `cases` gives it a function)
             await accl.reduce(src, dst, count, root, func)
         elif op in ("allreduce", "reduce_scatter"):
             await getattr(accl, op)(src, dst, count, func)
