@@ -149,6 +149,14 @@ class Hazards(Generic[K]):
         """Record a submitted call's accesses. Reads go first: a call that reads and
         writes the same bytes (in place) is their writer."""
         regions, lone = self._regions, self._lone
+        if not regions and not lone:  # no other unfinished call uses memory: all lone
+            for spans in (reads, writes):
+                for base, start, end in spans:
+                    if start < end:
+                        lone[base] = key
+            if lone:
+                self._solo[key] = (reads, writes)
+            return
         bases: list[int] = []
         shared = False
         for spans in (reads, writes):
