@@ -104,30 +104,7 @@ class Meeting:
         if meetings.get(self._key) is self:
             del meetings[self._key]
 
-    def arrive(self, call: ScheduleCall, rank: int, src: np.ndarray, dst: np.ndarray,
-               path: Datapath) -> None:
-        """Take part: the last to arrive computes and ends every call; the others
-        wait, seated. If a rank gave up, nobody computes: the calls fail at the
-        deadline (or on the notice of the rank that gave up)."""
-        self.seen += 1
-        if self.seen == self.size:  # every rank came or gave up: nobody looks it up again
-            self._forget()
-        if not self.abandoned:
-            arrived = self.arrived
-            arrived[rank] = (src, dst, path)
-            if len(arrived) == self.size:
-                self._compute(call, rank)
-                return
-        seat = _new(_Seat)  # (no __init__: one call less per waiting rank)
-        seat.done, seat.value, seat.waiter, seat.timeout_code = False, None, None, RECEIVE_TIMEOUT
-        seat.meeting, seat.rank = self, rank
-        self.waiting[rank] = call
-        call.waiting = seat
-        alarm = self._fabric.alarm
-        if self not in alarm.parked:
-            alarm.park(self, call.dev.timeout)
-
-    def _compute(self, last: ScheduleCall, rank: int) -> None:
+    def _compute(self, last: ScheduleCall) -> None:
         """Every rank's fingerprint equals the first's (the roll call): same count and
         dtype. Fold, then end every call."""
         arrived = self.arrived
@@ -259,10 +236,29 @@ class _Meet(_RollCall):
         if meeting is None:
             meeting = fabric.meetings[prefix] = Meeting(comm.size, fabric, prefix)
         call.met = True
-        meeting.arrive(call, comm.rank, src, dst, call.path)
-        if dev.gone and call.waiting is not None:  # waits for a rank that left the world?
-            gone = [comm.sessions[r] for r in call.waiting.missing()  # type: ignore[attr-defined]
-                    if comm.sessions[r] in dev.gone]
+        # Take part: the last to arrive computes and ends every call; the others wait,
+        # seated. If a rank gave up, nobody computes: the calls fail at the deadline (or
+        # on the notice of the rank that gave up).
+        rank = comm.rank
+        meeting.seen += 1
+        if meeting.seen == meeting.size:  # every rank came or gave up: not looked up again
+            meeting._forget()
+        if not meeting.abandoned:
+            arrived = meeting.arrived
+            arrived[rank] = (src, dst, call.path)
+            if len(arrived) == meeting.size:
+                meeting._compute(call)
+                return True
+        seat = _new(_Seat)  # (no __init__: one call less per waiting rank)
+        seat.done, seat.value, seat.waiter, seat.timeout_code = False, None, None, RECEIVE_TIMEOUT
+        seat.meeting, seat.rank = meeting, rank
+        meeting.waiting[rank] = call
+        call.waiting = seat
+        alarm = fabric.alarm
+        if meeting not in alarm.parked:
+            alarm.park(meeting, dev.timeout)
+        if dev.gone:  # waits for a rank that left the world?
+            gone = [comm.sessions[r] for r in seat.missing() if comm.sessions[r] in dev.gone]
             if gone:
                 call.aborting = Aborted(f"rank {gone[0]} left the world: {dev.gone[gone[0]]}")
                 call.interrupt(CallFailed(RECEIVE_TIMEOUT))
