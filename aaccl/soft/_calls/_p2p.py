@@ -22,7 +22,8 @@ class SendCall(SoftCall):
         self.sent = False
         self.seq: int | None = None  # its place in the peer's message order, once taken
         self.comm = comm = dev.comm(args.comm)
-        peer = comm.peer(args.root_src_dst)
+        index = args.root_src_dst
+        peer = comm.sessions[index] if index < comm.size else comm.peer(index)  # (raises)
         if args.stream_flags:  # (no flags: no streams)
             self.use_streams(comm.size, False)
         if not self.res_stream:  # a put into the peer's stream is outside the message order
@@ -87,7 +88,9 @@ class RecvCall(SoftCall):
         args, dev = self.args, self.dev
         self.posted: PostedRecv | None = None
         comm = dev.comm(args.comm)
-        self.src, self.key = comm.peer(args.root_src_dst), ("p2p", comm.key)
+        index = args.root_src_dst
+        self.src = comm.sessions[index] if index < comm.size else comm.peer(index)  # (raises)
+        self.key = ("p2p", comm.key)
         if args.stream_flags:  # (no flags: no streams)
             self.use_streams(comm.size, False)
         if args.compression_flags & OPERAND_FLAGS:

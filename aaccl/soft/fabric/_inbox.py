@@ -93,9 +93,10 @@ class RxPool:
         return out
 
     def release(self, msg: Message) -> None:
+        mark, free = self._mark, self.free
         for slot in msg.slots:
-            self._mark(slot, 0, None)
-            self.free.append(slot)
+            mark(slot, 0, None)
+            free.append(slot)
         msg.slots = ()
 
 
