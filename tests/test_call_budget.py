@@ -1,9 +1,9 @@
 """The Python function calls a small call costs, counted (sys.setprofile).
 
 Timings are noise on a shared CI machine; the number of Python calls one small
-allreduce or one nop makes is not (the same on every run, in process). These
-budgets hold the counts of the lean path (issue 28) as ceilings, with a call or two
-of slack, so that no change adds a layer to the small-call path unnoticed
+allreduce, one nop or one send/recv pair makes is not (the same on every run, in
+process). These budgets hold the counts of the lean path (issue 28) as ceilings,
+with a call or two of slack, so that no change adds a layer to the small-call path unnoticed
 (DESIGN.md's call budget: every layer must earn its calls).
 """
 
@@ -52,6 +52,16 @@ under one alarm per lane; 74.11 after issue 28's lean path; 131.09 with the lean
 alone; 163 to 294 before, vain polls counted, which its wait then could not help
 making)."""
 
+P2P_BUDGET = 144
+"""Python calls for one send/recv pair between 2 in-process ranks: a 1-element
+float32 send of a fresh slice (whose device address is not looked up yet) to a
+receive into another, device-resident (from_fpga, to_fpga), awaited together with
+asyncio.gather, the event loop's own calls included. 142 once a send and a recv
+are checked in one condition (a slice's address through ctypes.c_char, not numpy's
+ctypes), admitted without the stream and compression checks they do not need,
+matched with no tuple per queued item, and a peer looked up in line; 204.12 at
+39a02cf."""
+
 
 async def count_calls(step: Callable[[], Awaitable[Any]], times: int) -> float:
     """Python function calls per `step`, averaged over `times` (after a warm-up)."""
@@ -94,6 +104,25 @@ async def measure() -> tuple[float, float]:
     return per_allreduce, per_nop
 
 
+async def measure_pair() -> float:
+    async with aaccl.open_world(2) as (a, b):
+        n = 300
+        src, dst = a.allocate(n, np.float32), b.allocate(n, np.float32)
+        src[:] = np.arange(n)
+        src.sync_to_device()
+        slices = iter([(src[i:i + 1], dst[i:i + 1]) for i in range(n)])  # fresh ones
+
+        async def pair() -> None:
+            s, d = next(slices)
+            await asyncio.gather(a.send(s, 1, 1, tag=7, from_fpga=True),
+                                 b.recv(d, 1, 0, tag=7, to_fpga=True))
+
+        per_pair = await count_calls(pair, 200)
+        dst.sync_from_device()  # the counted pairs did their work
+        assert np.array_equal(dst, src)
+    return per_pair
+
+
 def test_small_calls_stay_within_their_python_call_budget() -> None:
     per_allreduce, per_nop = asyncio.run(measure())
     assert per_allreduce <= ALLREDUCE_BUDGET, (
@@ -101,6 +130,13 @@ def test_small_calls_stay_within_their_python_call_budget() -> None:
         f"budget of {ALLREDUCE_BUDGET}")
     assert per_nop <= NOP_BUDGET, (
         f"one nop makes {per_nop:.2f} Python calls, over its budget of {NOP_BUDGET}")
+
+
+def test_a_send_and_its_recv_stay_within_their_python_call_budget() -> None:
+    per_pair = asyncio.run(measure_pair())
+    assert per_pair <= P2P_BUDGET, (
+        f"one send/recv pair makes {per_pair:.2f} Python calls, over its budget of "
+        f"{P2P_BUDGET}")
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install 'aaccl[mpi]')")

@@ -14,7 +14,8 @@ import anyio
 import numpy as np
 
 from .. import _trace
-from .._constants import GLOBAL_COMM, TAG_ANY, ReduceFunction, Scenario, StreamFlags
+from .._constants import (GLOBAL_COMM, SUPPORTED_DTYPES, TAG_ANY, ReduceFunction, Scenario,
+                          StreamFlags)
 from .._errors import DependencyError
 from .._threads import quietly
 from ..devices import Device, DeviceCall
@@ -670,6 +671,24 @@ class ACCL:
         receiver has it. With OP0_STREAM the data comes from the kernel stream (srcbuf
         only gives the dtype); with RES_STREAM it goes into rank `dst`'s kernel stream,
         under `tag` (0..246), and no recv takes it."""
+        comms = self._driver.communicators
+        if type(srcbuf) is Buffer and type(count) is int and type(dst) is int \
+                and type(tag) is int and type(comm_id) is int and type(from_fpga) is bool \
+                and compress_dtype is None and type(stream_flags) is int and not stream_flags \
+                and 0 <= comm_id < len(comms) and 0 <= dst < len(comms[comm_id][1].ranks) \
+                and 0 <= count <= srcbuf.size and count < _COUNT_END and 0 <= tag <= TAG_ANY \
+                and (alloc := srcbuf._allocation) is not None and alloc.owner is self \
+                and (srcbuf._address is not None or srcbuf._locate() is not None) \
+                and srcbuf.dtype in SUPPORTED_DTYPES:
+            # the common case, checked in one test (the checks below say what is wrong)
+            at: int = srcbuf._address  # type: ignore[assignment]  # (located just now)
+            return self._submit(
+                "send", _SEND, waitfor, count=count, comm_id=comm_id, root_src_dst=dst, tag=tag,
+                dtype=srcbuf.dtype, buffers=(srcbuf, None, None),
+                reads=((alloc.address, at, at + count * srcbuf.itemsize),) if count else (),
+                sync_in=() if from_fpga else (
+                    srcbuf if count == srcbuf.size and srcbuf.ndim == 1
+                    else _head(srcbuf, count),))
         check.flags(from_fpga=from_fpga)
         size = self._comm_size(comm_id)
         n, peer, t = check.count(count), check.index(dst, "dst", size), check.tag(tag)
@@ -688,6 +707,23 @@ class ACCL:
              *, stream_flags: int = 0, waitfor: Calls = ()) -> Call:
         """Receive `count` elements from rank `src` into dstbuf. With RES_STREAM they go
         to the kernel stream instead (dstbuf only gives the dtype)."""
+        comms = self._driver.communicators
+        if type(dstbuf) is Buffer and type(count) is int and type(src) is int \
+                and type(tag) is int and type(comm_id) is int and type(to_fpga) is bool \
+                and compress_dtype is None and type(stream_flags) is int and not stream_flags \
+                and 0 <= comm_id < len(comms) and 0 <= src < len(comms[comm_id][1].ranks) \
+                and 0 <= count <= dstbuf.size and count < _COUNT_END and 0 <= tag <= TAG_ANY \
+                and (alloc := dstbuf._allocation) is not None and alloc.owner is self \
+                and (dstbuf._address is not None or dstbuf._locate() is not None) \
+                and dstbuf.dtype in SUPPORTED_DTYPES:
+            # the common case, checked in one test (the checks below say what is wrong)
+            at: int = dstbuf._address  # type: ignore[assignment]  # (located just now)
+            return self._submit(
+                "recv", _RECV, waitfor, count=count, comm_id=comm_id, root_src_dst=src, tag=tag,
+                dtype=dstbuf.dtype, buffers=(None, None, dstbuf),
+                writes=((alloc.address, at, at + count * dstbuf.itemsize),) if count else (),
+                sync_out=None if to_fpga else
+                dstbuf if count == dstbuf.size and dstbuf.ndim == 1 else _head(dstbuf, count))
         check.flags(to_fpga=to_fpga)
         size = self._comm_size(comm_id)
         n, peer, t = check.count(count), check.index(src, "src", size), check.tag(tag)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
 if TYPE_CHECKING:
     from ..devices import Device
+
+_addressof, _char_at = ctypes.addressof, ctypes.c_char.from_buffer
 
 
 class _Allocation:
@@ -40,19 +43,41 @@ class Buffer(np.ndarray):
     @property
     def device_address(self) -> int:
         """Device address of this (view's) first element."""
-        if self._address is None:
-            self._address = self._find_address()  # a view's memory never moves
-        return self._address
+        at = self._address
+        if at is None:
+            at = self._locate()  # a view's memory never moves: looked up once
+            if at is None:
+                self._not_device_memory()
+        return at
 
-    def _find_address(self) -> int:
+    def _locate(self) -> int | None:
+        """This view's device address (kept in `_address`), or None if it is no
+        C-contiguous view of its allocation's host array. The host pointer comes from
+        a ctypes view of the buffer, C calls only (numpy's `ctypes.data` takes two
+        Python calls): a fresh slice is looked up for every call it takes part in."""
+        alloc = self._allocation
+        if alloc is None:
+            return None
+        try:  # (needs a writable C-contiguous view of at least one byte)
+            pointer = _addressof(_char_at(self))  # type: ignore[arg-type]  # (an ndarray)
+        except (TypeError, ValueError, BufferError):  # read-only, empty or strided
+            if not self.flags.c_contiguous:
+                return None
+            pointer = self.ctypes.data
+        offset = pointer - alloc.host_ptr
+        if offset < 0 or offset + self.nbytes > alloc.nbytes:
+            return None
+        self._address = at = alloc.address + offset
+        return at
+
+    def _not_device_memory(self) -> NoReturn:
+        """Why `_locate` found no device address, as the error to raise."""
         alloc = self._allocation
         offset = -1 if alloc is None else self.ctypes.data - alloc.host_ptr
         if alloc is None or offset < 0 or offset + self.nbytes > alloc.nbytes:
             raise TypeError("this array is not a view of a device buffer (a computed result "
                             "is a new host array: copy it into a Buffer)")
-        if not self.flags.c_contiguous:
-            raise TypeError("device buffers must be C-contiguous: use a contiguous slice")
-        return alloc.address + offset
+        raise TypeError("device buffers must be C-contiguous: use a contiguous slice")
 
     def sync_to_device(self) -> None:
         """Copy these host elements to device memory."""

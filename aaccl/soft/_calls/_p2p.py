@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..._constants import ErrorCode
+from .._datapath import OPERAND_FLAGS
 from .._engine import Wait
 from .._streams import StreamRead, segments
 from ..fabric import Message, MessageState, PostedRecv
@@ -21,18 +22,21 @@ class SendCall(SoftCall):
         self.sent = False
         self.seq: int | None = None  # its place in the peer's message order, once taken
         self.comm = comm = dev.comm(args.comm)
-        peer = comm.peer(args.root_src_dst)
-        self.use_streams(comm.size, False)
+        index = args.root_src_dst
+        peer = comm.sessions[index] if index < comm.size else comm.peer(index)  # (raises)
+        if args.stream_flags:  # (no flags: no streams)
+            self.use_streams(comm.size, False)
         if not self.res_stream:  # a put into the peer's stream is outside the message order
             self.seq = dev.next_send_seq(comm.key, peer)
             dev.count_message(args, OUTBOUND_SEQ)
-        check_compression(args)
+        if args.compression_flags & OPERAND_FLAGS:
+            check_compression(args)
 
     def run(self) -> Body:
         args, dev = self.args, self.dev
         path = dev.datapath(args)
-        segment = dev.segment_elements(path.dtype)
         if self.op0_stream:  # the firmware reads the stream one segment at a time
+            segment = dev.segment_elements(path.dtype)
             try:
                 raw = yield from self.read_stream(segments(args.count * path.dtype.itemsize,
                                                            segment * path.dtype.itemsize))
@@ -42,11 +46,11 @@ class SendCall(SoftCall):
             data = raw.view(path.dtype)
         else:
             data = dev.array(args.addr_0, path.dtype, args.count)
-        payload = path.to_wire(data)
+        payload = data if path.wire == path.dtype else path.to_wire(data)
         eager = payload.nbytes <= dev.max_eager_size
         if self.res_stream:  # one-sided: into the peer's kernel stream, no receive
             msg = Message(dev.session, ("stream",), 0, args.tag, payload.view(np.uint8), eager)
-            msg.fp = (path.wire.str, segment)
+            msg.fp = (path.wire.str, dev.segment_elements(path.dtype))
         else:
             assert self.seq is not None  # (taken by `prepare`: this is no stream put)
             msg = Message(dev.session, ("p2p", self.comm.key), self.seq, args.tag,
@@ -84,9 +88,13 @@ class RecvCall(SoftCall):
         args, dev = self.args, self.dev
         self.posted: PostedRecv | None = None
         comm = dev.comm(args.comm)
-        self.src, self.key = comm.peer(args.root_src_dst), ("p2p", comm.key)
-        self.use_streams(comm.size, False)
-        check_compression(args)
+        index = args.root_src_dst
+        self.src = comm.sessions[index] if index < comm.size else comm.peer(index)  # (raises)
+        self.key = ("p2p", comm.key)
+        if args.stream_flags:  # (no flags: no streams)
+            self.use_streams(comm.size, False)
+        if args.compression_flags & OPERAND_FLAGS:
+            check_compression(args)
         self.posted = dev.inbox.post(self.key, self.src, args.tag)
 
     def run(self) -> Body:
@@ -115,7 +123,7 @@ class RecvCall(SoftCall):
             if data.nbytes != args.count * path.wire.itemsize:
                 raise CallFailed(ErrorCode.DMA_SIZE_ERROR)
             if dst is not None:
-                np.copyto(dst, data.view(path.wire), casting="unsafe")
+                dst[...] = data.view(path.wire)  # (copyto's casting="unsafe", C calls only)
             else:  # into the kernel stream, one packet per segment, as the firmware moves it
                 values = data.view(path.wire).astype(path.dtype, copy=False)
                 step = dev.segment_elements(path.dtype)

@@ -35,6 +35,7 @@ from ._matching import PostedRecv, Stream
 from ._message import Fingerprint, Key, Message, MessageState, describe
 
 RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
+_new = object.__new__
 SIZE_MISMATCH = int(ErrorCode.DMA_SIZE_ERROR)
 MISMATCH = int(ErrorCode.DMA_MISMATCH_ERROR)
 
@@ -73,14 +74,13 @@ class RxPool:
         need = -(-msg.nbytes // self.bufsize)
         if need > len(self.free):
             return False
-        data = msg.payload
-        for i in range(need):
-            slot = self.free.pop()
-            chunk = data[i * self.bufsize:(i + 1) * self.bufsize]
-            self.views[slot][:chunk.nbytes] = chunk
-            msg.slots.append(slot)
+        data, free, views, size = msg.payload, self.free, self.views, self.bufsize
+        slots = [free.pop()] if need == 1 else [free.pop() for _ in range(need)]
+        for i, slot in enumerate(slots):
+            chunk = data[i * size:(i + 1) * size]
+            views[slot][:chunk.nbytes] = chunk
             self._mark(slot, 1, msg)
-        msg.payload = None
+        msg.slots, msg.payload = slots, None
         return True
 
     def gather(self, msg: Message) -> np.ndarray:
@@ -93,10 +93,11 @@ class RxPool:
         return out
 
     def release(self, msg: Message) -> None:
+        mark, free = self._mark, self.free
         for slot in msg.slots:
-            self._mark(slot, 0, None)
-            self.free.append(slot)
-        msg.slots = []
+            mark(slot, 0, None)
+            free.append(slot)
+        msg.slots = ()
 
 
 class StepWait(Wait):
@@ -150,7 +151,14 @@ class Inbox:
 
     def deliver(self, msg: Message) -> bool:
         """Accept a message; True if its payload was copied here (the send is done)."""
-        kind = msg.key[0]
+        key = msg.key
+        kind = key[0]
+        if kind == "p2p":  # (the common case first)
+            copied = msg.payload is None or (msg.eager and self._store(msg))
+            stream = self._streams.get((key, msg.src)) or self._stream(key, msg.src)
+            for recv, matched in stream.arrive(msg):
+                self._match(recv, matched)
+            return copied
         if kind == "abort":
             self._notice(msg)
             return True
@@ -180,16 +188,12 @@ class Inbox:
                 return self._drop(msg)
             self._check(msg, prefix)
         copied = msg.payload is None or (msg.eager and self._store(msg))
-        if msg.key[0] == "p2p":
-            for recv, matched in self._stream(msg.key, msg.src).arrive(msg):
-                self._match(recv, matched)
+        slot = (msg.src, msg.key)
+        wait = self._step_waits.pop(slot, None)
+        if wait is None:
+            self._steps[slot] = msg
         else:
-            slot = (msg.src, msg.key)
-            wait = self._step_waits.pop(slot, None)
-            if wait is None:
-                self._steps[slot] = msg
-            else:
-                wait.set(self._take(msg))
+            wait.set(self._take(msg))
         return copied
 
     @staticmethod
@@ -293,10 +297,17 @@ class Inbox:
 
     def post(self, key: Key, src: int, tag: int) -> PostedRecv:
         """Post a receive; its place in the matching order is fixed now."""
-        recv = PostedRecv(tag, next(self._orders), RECEIVE_TIMEOUT)
-        msg = self._stream(key, src).post(recv)
+        recv = _new(PostedRecv)  # (PostedRecv.__init__ and Wait's, in line)
+        recv.done, recv.value, recv.waiter, recv.timeout_code = False, None, None, RECEIVE_TIMEOUT
+        recv.tag, recv.order, recv.active = tag, next(self._orders), True
+        msg = (self._streams.get((key, src)) or self._stream(key, src)).post(recv)
         if msg is not None:
-            self._match(recv, msg)
+            msg.matched = recv
+            if msg.fetch is None:
+                recv.done, recv.value = True, msg  # (`Wait.set`: nobody waits on it yet)
+            else:  # (MPI) its payload is still with its sender
+                recv.value = msg
+                msg.fetch()
         return recv
 
     def cancel(self, key: Key, src: int, recv: PostedRecv) -> None:
@@ -320,7 +331,10 @@ class Inbox:
         recv.active = False
         msg: Message = recv.value
         msg.matched = None
-        return self._take(msg)
+        msg.state = MessageState.TAKEN  # (`_take`, in line)
+        if msg.on_taken is not None:
+            msg.on_taken()
+        return msg
 
     # -- collective steps -----------------------------------------------------------
 
@@ -429,6 +443,8 @@ class Inbox:
         if msg.nbytes == 0:
             return np.empty(0, np.uint8)
         assert self.rx is not None
+        if len(msg.slots) == 1:  # (`RxPool.gather`'s common case, in line)
+            return self.rx.views[msg.slots[0]][:msg.nbytes]
         return self.rx.gather(msg)
 
     def release(self, msg: Message) -> None:

@@ -20,6 +20,8 @@ tag's queue goes once found empty.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import Generic, TypeVar
 
 from ..._constants import TAG_ANY
@@ -42,68 +44,96 @@ class PostedRecv(Wait):
 class _Queue(Generic[T]):
     """Unmatched items (receives or messages), oldest first, by tag and all together.
 
-    Each item has an entry in two queues; `entries` counts them, dead ones included.
+    Each item has an entry in two queues (the item itself: no tuple per entry, which
+    the garbage collector would walk as long as the item waits), `order(item)` its
+    place; `live` holds the unmatched ones, and `entries` counts the queues' entries,
+    dead ones included.
     """
 
-    def __init__(self) -> None:
-        self.by_tag: dict[int, deque[tuple[int, T]]] = {}
-        self.all: deque[tuple[int, T]] = deque()
-        self.live: dict[int, T] = {}  # id -> item, for the ones still unmatched
+    def __init__(self, order: Callable[[T], int] = attrgetter("order")) -> None:
+        self.by_tag: dict[int, deque[T]] = {}
+        self.all: deque[T] = deque()
+        self.live: set[T] = set()  # the items still unmatched
         self.entries = 0
+        self.order: Callable[[T], int] = order
 
-    def add(self, order: int, tag: int, item: T, *, in_order: bool = False) -> None:
-        """Append (or, `in_order`, insert by order: rare, so linear)."""
-        self.live[id(item)] = item
+    def add(self, item: T, *, in_order: bool = False) -> None:
+        """Append (or, `in_order`, insert by order: rare, so linear), under the
+        item's own tag."""
+        self.live.add(item)
         self.entries += 2
-        entry = (order, item)
-        for queue in (self.all, self.by_tag.setdefault(tag, deque())):
-            if in_order:
-                at = next((i for i, (o, _) in enumerate(queue) if o > order), len(queue))
-                queue.insert(at, entry)
-            else:
-                queue.append(entry)
+        tag = item.tag
+        queue = self.by_tag.get(tag)
+        if queue is None:
+            queue = self.by_tag[tag] = deque()
+        if not in_order:
+            self.all.append(item)
+            queue.append(item)
+            return
+        order = self.order
+        place = order(item)
+        for queue in (self.all, queue):  # (dead entries too: an item may come back)
+            at = next((i for i, other in enumerate(queue) if order(other) > place), len(queue))
+            queue.insert(at, item)
 
-    def _head(self, queue: deque[tuple[int, T]] | None) -> tuple[int, T] | None:
+    def _head(self, queue: deque[T]) -> T | None:
+        """The oldest live item of `queue`, dropping the dead entries ahead of it."""
         live = self.live
         while queue:
-            entry = queue[0]
-            if live.get(id(entry[1])) is entry[1]:
-                return entry
+            item = queue[0]
+            if item in live:
+                return item
             queue.popleft()
             self.entries -= 1
         return None
 
+    def _tag_head(self, tag: int) -> T | None:
+        """`_head` of a tag's queue, which goes once found empty."""
+        queue = self.by_tag.get(tag)
+        if queue is None:
+            return None
+        item = queue[0] if queue[0] in self.live else self._head(queue)
+        if item is None:
+            del self.by_tag[tag]
+        return item
+
     def pop_oldest(self, tag: int) -> T | None:
-        """Remove and return the oldest item that matches `tag`."""
+        """Remove and return the oldest item that matches `tag`. Its entries go where
+        they head their queues (most often, as where one tag is in use): lazy
+        deletion leaves only the others behind."""
+        live = self.live
+        if not live:
+            return None
         if tag == TAG_ANY:
             best = self._head(self.all)
+            assert best is not None  # (every live item has an entry in `all`)
         else:
-            by_tag = self.by_tag
-            queue = by_tag.get(tag)
-            best = self._head(queue)
-            if best is None and queue is not None:
-                del by_tag[tag]
-            queue = by_tag.get(TAG_ANY)
-            other = self._head(queue)
-            if other is None:
-                if queue is not None:
-                    del by_tag[TAG_ANY]
-            elif best is None or other[0] < best[0]:
+            best = self._tag_head(tag)
+            other = self._tag_head(TAG_ANY) if TAG_ANY in self.by_tag else None
+            if other is not None and (best is None or self.order(other) < self.order(best)):
                 best = other
-        if best is None:
-            return None
-        item = best[1]
-        live = self.live
-        del live[id(item)]
+            if best is None:
+                return None
+        live.remove(best)
+        queue = self.all  # (items are filed under their own tag, TAG_ANY too)
+        if queue and queue[0] is best:
+            queue.popleft()
+            self.entries -= 1
+        queue = self.by_tag[best.tag]
+        if queue[0] is best:
+            queue.popleft()
+            self.entries -= 1
+            if not queue:
+                del self.by_tag[best.tag]
         if self.entries > 4 * len(live) + 8:
             self._rebuild()
-        return item
+        return best
 
     def remove(self, item: T) -> bool:
         live = self.live
-        if live.get(id(item)) is not item:
+        if item not in live:
             return False
-        del live[id(item)]
+        live.remove(item)
         if self.entries > 4 * len(live) + 8:
             self._rebuild()
         return True
@@ -115,10 +145,9 @@ class _Queue(Generic[T]):
         if not live:
             self.all, self.by_tag, self.entries = deque(), {}, 0
             return
-        keep = live.get
-        self.all = deque(e for e in self.all if keep(id(e[1])) is e[1])
+        self.all = deque(item for item in self.all if item in live)
         self.by_tag = {tag: kept for tag, queue in self.by_tag.items()
-                       if (kept := deque(e for e in queue if keep(id(e[1])) is e[1]))}
+                       if (kept := deque(item for item in queue if item in live))}
         self.entries = len(self.all) + sum(map(len, self.by_tag.values()))
 
 
@@ -128,11 +157,21 @@ class Stream:
     def __init__(self) -> None:
         self.next_seq = 0
         self.early: dict[int, Message] = {}
-        self._messages: _Queue[Message] = _Queue()
+        self._messages: _Queue[Message] = _Queue(attrgetter("seq"))
         self._recvs: _Queue[PostedRecv] = _Queue()
 
-    def arrive(self, msg: Message) -> list[tuple[PostedRecv, Message]]:
+    def arrive(self, msg: Message) -> Sequence[tuple[PostedRecv, Message]]:
         """A message came; the (receive, message) pairs that now match."""
+        if msg.seq == self.next_seq and not self.early:  # next in line (in process: all)
+            self.next_seq += 1
+            if msg.tombstone:
+                return ()
+            recvs = self._recvs
+            recv = recvs.pop_oldest(msg.tag) if recvs.live else None
+            if recv is None:
+                self._messages.add(msg)
+                return ()
+            return ((recv, msg),)
         self.early[msg.seq] = msg
         matched = []
         while self.next_seq in self.early:
@@ -147,15 +186,16 @@ class Stream:
     def _offer(self, msg: Message, in_order: bool) -> tuple[PostedRecv, Message] | None:
         recv = self._recvs.pop_oldest(msg.tag)
         if recv is None:
-            self._messages.add(msg.seq, msg.tag, msg, in_order=in_order)
+            self._messages.add(msg, in_order=in_order)
             return None
         return recv, msg
 
     def post(self, recv: PostedRecv, in_order: bool = False) -> Message | None:
         """Post a receive (in submission order); its message, if one is waiting."""
-        msg = self._messages.pop_oldest(recv.tag)
+        messages = self._messages
+        msg = messages.pop_oldest(recv.tag) if messages.live else None
         if msg is None:
-            self._recvs.add(recv.order, recv.tag, recv, in_order=in_order)
+            self._recvs.add(recv, in_order=in_order)
         return msg
 
     def cancel(self, recv: PostedRecv) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Generator, Hashable
+from collections.abc import Callable, Generator, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -77,7 +77,7 @@ class Message:
         self.src, self.key, self.seq, self.tag = src, key, seq, tag
         self.payload = payload
         self.nbytes = 0 if payload is None else payload.nbytes
-        self.slots: list[int] = []
+        self.slots: Sequence[int] = ()  # its rx buffers (none yet: no list per message)
         self.state = MessageState.PENDING
         self.eager = eager
         self.tombstone = tombstone
