@@ -191,6 +191,32 @@ def test_a_shorter_delay_armed_later_wakes_the_sleeping_clock() -> None:
     engine.close()
 
 
+def test_deadlines_armed_in_a_row_wake_the_sleeping_clock_once() -> None:
+    """Calls that wait arm their deadlines one after the other on the engine's
+    thread, which holds the GIL meanwhile: the sleeping timer thread cannot look
+    again between them, and only the first, earlier than what it sleeps until, has
+    to wake it (a notify costs a lock and five Python calls)."""
+    engine = Engine("test")
+    engine.post(lambda: engine.call_later(3600, lambda: None))
+    for _ in range(100):  # let the timer thread go to sleep until the far deadline
+        if engine._timers.sleeping_until not in (-math.inf, math.inf):
+            break
+        time.sleep(0.01)
+    cond = engine._timers.cond
+    notified = 0
+    real = cond.notify
+
+    def notify(n: int = 1) -> None:
+        nonlocal notified
+        notified += 1
+        real(n)
+
+    cond.notify = notify  # type: ignore[method-assign]
+    engine.post(lambda: [engine.call_later(60, lambda: None) for _ in range(1_000)])
+    assert notified <= 2, f"1,000 deadlines armed in a row notified the clock {notified} times"
+    engine.close()
+
+
 def test_cancelled_timers_do_not_pile_up() -> None:
     engine = Engine("test")
 

@@ -162,6 +162,10 @@ class _Timers:
         if deadline < self.sleeping_until:
             with self.cond:
                 self.cond.notify()
+                # it looks again once it runs (for every deadline armed by then), and
+                # until it does, only an earlier deadline needs to wake it: calls armed
+                # in a row, before the timer thread gets the GIL, notify once
+                self.sleeping_until = deadline
         return timer
 
     def _compact(self) -> None:
