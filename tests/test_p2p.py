@@ -537,3 +537,23 @@ async def test_unsupported_compression_is_rejected_before_the_device() -> None:
             a.send(a.allocate(4, np.float64), 4, 1, compress_dtype=np.float16)
         with pytest.raises(ValueError):
             b.recv(b.allocate(4, np.int32), 4, 0, compress_dtype=np.float16)
+
+
+async def test_a_waits_deadline_ends_with_the_wait() -> None:
+    """Receives posted before their sends wait with a deadline, parked in their soft
+    CCLO's alarm (a dict entry each): every entry goes when its wait ends, met or
+    timed out, so 1,000 waits leave nothing behind."""
+    async with aaccl.open_world(2, timeout=0.5) as (a, b):
+        k = 1_000
+        dst = b.allocate(k, np.float32)
+        recvs = [b.recv(dst[i:i + 1], 1, 0, tag=i) for i in range(k)]
+        alarm = b._driver.device.alarm
+        src = filled(a, np.arange(k, dtype=np.float32))
+        sends = [a.send(src[i:i + 1], 1, 1, tag=i) for i in range(k)]
+        for call in (*sends, *recvs):
+            await call
+        np.testing.assert_array_equal(dst, np.arange(k, dtype=np.float32))
+        assert not alarm.parked
+        with pytest.raises(CCLOError):
+            await b.recv(dst[:1], 1, 0, tag=k)  # nobody sends it: its deadline fails it
+        assert not alarm.parked

@@ -21,6 +21,7 @@ from ..devices._jobs import HostJobs, Job
 from ._calls import KINDS, RETCODE_WORD, CallFailed, Comm, SoftCall, make_call
 from ._calls._state import describe_call
 from ._datapath import Datapath, UnsupportedConfig
+from ._engine import Alarm
 from ._memory import DeviceMemory
 from ._streams import StreamKernel, StreamPorts
 from .fabric import Collective, Fingerprint, Message, Port, RxPool
@@ -44,6 +45,8 @@ class SoftDevice(Device):
     def __init__(self, session: int, port: Port, *, in_order: bool = False) -> None:
         self.session, self.port = session, port
         self.inbox, self.engine = port.inbox, port.engine
+        # the deadlines of its calls' waits: a dict entry each, under one engine timer
+        self.alarm = Alarm(self.engine, _expire)
         self.poller = port.poller  # see ACCL._poller
         self.in_order = in_order
         self.exchmem = np.zeros(xm.SIZE // 4, np.uint32)
@@ -423,7 +426,15 @@ class SoftDevice(Device):
 
     def _close(self) -> None:
         self._abort(Aborted("its soft CCLO was closed"))
+        self.alarm.parked.clear()  # (waits that outlive the abort: their engine goes)
         self.streams.close()
         self._jobs.close()
         self.port.close()
         self.engine.detach()
+
+
+def _expire(calls: list[SoftCall]) -> None:
+    """The calls whose waits' deadlines passed (`SoftDevice.alarm`): each fails, or
+    goes on without a deadline where its wait cannot be withdrawn."""
+    for call in calls:
+        call.expire()

@@ -21,7 +21,7 @@ from ..._constants import TAG_ANY, ErrorCode, Scenario
 from ..._errors import Aborted, ACCLError, DeviceError
 from ...devices import CallArgs, DeviceCall
 from .._datapath import OPERAND_FLAGS
-from .._engine import Timer, Wait
+from .._engine import Wait
 from .._failure import CallFailed
 from .._streams import StreamRead, stream_roles
 from ..fabric._message import Key, function_name
@@ -105,8 +105,7 @@ class SoftCall(DeviceCall):
     returns): one object from submission to completion. Subclasses say how it is
     admitted and what it runs."""
 
-    __slots__ = ("dev", "state", "failure", "deps_left", "body", "waiting", "timer",
-                 "aborting", "failure_detail", "failure_error", "op0_stream", "res_stream")
+    __slots__ = ("dev", "state", "failure", "deps_left", "body", "waiting", "aborting", "failure_detail", "failure_error", "op0_stream", "res_stream")
 
     args: CallArgs  # (DeviceCall's slot) a soft call is always a CCLO call, never host work
 
@@ -119,8 +118,7 @@ class SoftCall(DeviceCall):
         self.failure_error: Aborted | None = None  # the failure is an abort (a peer's)
         self.deps_left = 0
         self.body: Body | None = None
-        self.waiting: Wait | None = None
-        self.timer: Timer | None = None
+        self.waiting: Wait | None = None  # (its deadline parked in `dev.alarm`, if any)
         self.aborting: ACCLError | None = None  # set by `abort_now`: how the call ends
         self.op0_stream = self.res_stream = False  # operand 0 / result on a kernel stream
 
@@ -244,9 +242,7 @@ class SoftCall(DeviceCall):
         wait = self.waiting
         if wait is not None and wait.expire():
             wait.waiter, self.waiting = None, None
-            if self.timer is not None:
-                self.timer.cancel()
-                self.timer = None
+            self.dev.alarm.parked.pop(self, None)
             self.resume(None, failed)
 
     prefix: Key | None = None  # (a collective's: its key among them)
@@ -332,20 +328,20 @@ class SoftCall(DeviceCall):
                 return
         self.waiting = wait
         wait.waiter = self._wake
-        if wait.timeout_code:
-            self.timer = self.dev.engine.call_later(self.dev.timeout, self.expire)
+        if wait.timeout_code:  # (its deadline: a dict entry, `SoftDevice.alarm`)
+            self.dev.alarm.park(self, self.dev.timeout)
 
     def _wake(self, wait: Wait) -> None:
         self.waiting = None
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        self.dev.engine.soon(self.resume, wait.value)
+        dev = self.dev
+        dev.alarm.parked.pop(self, None)
+        dev.engine.soon(self.resume, wait.value)
 
     def expire(self, detail: str | None = None) -> None:
         """The deadline of the current wait passed. `detail`: what it waited for, in
         words, if the caller said so before expiring others' waits changed it."""
-        wait, self.timer = self.waiting, None
+        wait = self.waiting
+        self.dev.alarm.parked.pop(self, None)  # (gone already if the alarm expires it)
         if wait is None:
             return
         if detail is None:  # (before expiring changes what it waits for)
