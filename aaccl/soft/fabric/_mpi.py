@@ -796,17 +796,20 @@ class MPIFabric:
         self._stop()
         if self._fetches:  # a payload never sent (its receive failed): MPI matches on
             done = False
-        if self.lane is not None and not self.lane.idle:
+        lane = self.lane
+        if lane is not None and not lane.idle:
             # a collective MPI will never finish (a peer gave up on it, or is gone):
             # MPI_Finalize would wait for it
             done = False
         if not done or self._thread.is_alive():  # a peer is gone, or MPI hangs in here
+            if lane is not None:
+                lane.close(free=False)
             watch_exit()
             return
         self._reap()
         self.comm.Free()
-        if self.lane is not None and self.lane.idle:  # (else MPI still matches with it)
-            self.lane.comm.Free()
+        if lane is not None:  # (if MPI still matches with it meanwhile, it is kept)
+            lane.close(free=True)
 
     def _stop(self) -> None:
         """Stop the progress thread and wait (up to JOIN_LIMIT) until it is out of MPI."""
@@ -960,6 +963,8 @@ def _at_exit() -> None:
     job's status is 130 if every rank got out first, else 9.)"""
     for fabric in list(_open):
         fabric._stop()  # (a `close` under way on another thread stops waiting too)
+        if fabric.lane is not None and not fabric._thread.is_alive():
+            fabric.lane.close(free=False)  # (its MPI request, left alone, upsets MPI_Finalize)
     with _closing:  # and none frees its communicators while MPI is finalized
         _closing.wait_for(lambda: _closes == 0, JOIN_LIMIT)
     error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
