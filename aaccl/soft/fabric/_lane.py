@@ -130,6 +130,19 @@ TAKEN.set(None)
 `start`, most often): one done wait for all of them, nothing to tell."""
 
 
+class _Failed:
+    """An opening's request that MPI failed when first tested (`Lane.begin`): its
+    test raises that error, as MPI's did."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def Test(self) -> bool:  # noqa: N802  (MPI's name)
+        raise self.error
+
+
 class Op:
     """One collective call's place in the lane.
 
@@ -270,6 +283,10 @@ class Lane:
                         request.Start()
                 except Exception:  # MPI failed (a peer died): as `_pump` says
                     return False
+                try:  # (MPI moves data only when called: our block leaves now, not at
+                    request.Test()  # our first poll, so a peer's first poll can end it)
+                except Exception as error:  # (a persistent request tests True after it)
+                    request = _Failed(error)
                 queue.popleft()
                 op.block, op.gathered, op.issued, op.turn = send, self._gathered, True, TAKEN
                 op.parked = parked

@@ -294,12 +294,15 @@ class MPIFabric:
             # the lane's collective first (the awaited call's, most often): what came
             # before its end is taken before its end is told (`_drain`)
             came = lane is not None and lane.poll(self._drain)
+            # (once something of the lane's ended, `_drain` took every message MPI had)
             # MPICH's Improbe matches what it has already taken in, then makes
             # progress: a message that came during a nap is found by a second probe,
             # unless the lane's test made progress just now
-            message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            message = None if came else self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
             if message is None and came is None:
                 message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            elif message is None and came is False and lane is not None:
+                came = lane.poll(self._drain)  # the probe made progress: test again
             if message is not None:
                 self._take(message, status)
             if self._arriving:
