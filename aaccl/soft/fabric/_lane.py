@@ -291,6 +291,7 @@ class Lane:
                 try:  # (MPI moves data only when called: our block leaves now, not at
                     request.Test()  # our first poll, so a peer's first poll can end it)
                 except Exception as error:  # (a persistent request tests True after it)
+                    self._hold(request, op)
                     request = _Failed(error)
                 queue.popleft()
                 op.block, op.gathered, op.issued, op.turn = send, self._gathered, True, TAKEN
@@ -326,6 +327,7 @@ class Lane:
             if request is not None and (opening is None or opening[0] is not request) \
                     and all(r is not request for r, _ in self._graveyard):
                 request.Free()  # (inactive: MPI_Finalize may stumble on it, left alone)
+                self._request = None  # (freed once: `close` may come twice, see _at_exit)
             if not (free and self.idle):
                 _UNFINISHED.append(self)
                 return
@@ -493,7 +495,8 @@ class Lane:
                     done = request.Test()
                 except Exception as error:
                     events.append((op.moved.set, (str(error),)))
-                    self._finish(op)
+                    self._hold(request, op)
+                    self._finish(op, held=True)
                     continue
                 if done:
                     events.append((op.moved.set, (None,)))
@@ -511,6 +514,7 @@ class Lane:
             except Exception as error:
                 self._opening, self.stuck = None, ""
                 events.append((op.opening.set, (str(error),)))
+                self._hold(request, op)
                 self._finish(op)
                 self._pump(events)
                 return True
@@ -572,12 +576,24 @@ class Lane:
             self._finish(op)
         events.append((op.opening.set, ((bytearray(gathered), agreed, moving),)))
 
-    def _finish(self, op: Op) -> None:
+    def _finish(self, op: Op, held: bool = False) -> None:
         op.finished = True
-        op.block = op.gathered = op.transfer = None
+        op.block = op.gathered = None
+        if not held:  # (else `_hold` keeps its transfer's buffers)
+            op.transfer = None
         order = self._order
         while order and order[0].finished:
             order.popleft()
+
+    def _hold(self, request: Any, op: Op) -> None:
+        """MPI failed a test of `request` (a peer died, most often), which need not
+        have ended it: what it may still write into is kept to the process's end, with
+        the lane (`idle` is False from now on), and the persistent opening is never
+        started again (a later opening is an Iallgather)."""
+        if not isinstance(request, _Failed):
+            self._graveyard.append((request, op))
+        if request is self._request:
+            self._request = None
 
     def abandoned(self, op: Op, why: str) -> None:
         """The call ended while its opening is in flight: the calls queued behind it
