@@ -326,7 +326,7 @@ class Lane:
             request, opening = self._request, self._opening
             if request is not None and (opening is None or opening[0] is not request) \
                     and all(r is not request for r, _ in self._graveyard):
-                request.Free()  # (inactive: MPI_Finalize may stumble on it, left alone)
+                request.Free()  # (inactive: freed before MPI_Finalize, as MPI asks)
                 self._request = None  # (freed once: `close` may come twice, see _at_exit)
             if not (free and self.idle):
                 _UNFINISHED.append(self)

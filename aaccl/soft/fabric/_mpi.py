@@ -967,7 +967,7 @@ def _at_exit() -> None:
     for fabric in list(_open):
         fabric._stop()  # (a `close` under way on another thread stops waiting too)
         if fabric.lane is not None and not fabric._thread.is_alive():
-            fabric.lane.close(free=False)  # (its MPI request, left alone, upsets MPI_Finalize)
+            fabric.lane.close(free=False)  # (its inactive MPI request is freed before MPI_Finalize)
     with _closing:  # and none frees its communicators while MPI is finalized
         _closing.wait_for(lambda: _closes == 0, JOIN_LIMIT)
     error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
