@@ -66,6 +66,14 @@ OPENING_SPIN = 0.002
 """Seconds after an opening starts during which whoever polls does so without a nap:
 the peers are usually close behind (the round trip of MPI's allgather)."""
 
+RENEW_EVERY = 1 << 20
+"""Openings after which the lane makes its persistent opening afresh (`Lane._renew`).
+MPICH gives a persistent collective one tag for good, when it is made, and every
+nonblocking one the next of a counter that wraps at MPI_TAG_UB (2**29 - 1 here)
+without looking at persistent ones: after that many transfers the counter would reach
+the opening's tag again while both may be in flight, and their messages would cross.
+A lane's collective takes at most two tags (an Iallgather, a transfer)."""
+
 
 def runs_natively(fp: Fingerprint) -> bool:
     """Whether an MPI collective can move this collective's data (after the opening):
@@ -203,6 +211,7 @@ class Lane:
         self._gathered = bytearray(self.size * BLOCK)
         self._sent: Fingerprint | None = None
         self._request: Any = None
+        self._renew_at = RENEW_EVERY  # the index of the op whose opening renews it
         try:
             self._request = comm.Allgather_init(self._send, self._gathered)
         except (AttributeError, NotImplementedError):  # (mpi4py < 4, or MPI < 4)
@@ -285,6 +294,8 @@ class Lane:
                     if request is None:
                         request = self.comm.Iallgather(send, self._gathered)
                     else:
+                        if op.index >= self._renew_at:
+                            request = self._renew(op.index)
                         request.Start()
                 except Exception:  # MPI failed (a peer died): as `_pump` says
                     return False
@@ -301,12 +312,25 @@ class Lane:
                 return True
         return False
 
-    def _open(self) -> Any:
-        """Start the opening whose block `_send` holds (with the lock): its request."""
+    def _open(self, index: int) -> Any:
+        """Start the opening of op `index`, whose block `_send` holds (with the lock):
+        its request."""
         request = self._request
         if request is None:
             return self.comm.Iallgather(self._send, self._gathered)
+        if index >= self._renew_at:
+            request = self._renew(index)
         request.Start()
+        return request
+
+    def _renew(self, index: int) -> Any:
+        """Make the persistent opening afresh (RENEW_EVERY), at op `index`'s opening,
+        the same on every rank (MPI matches persistent collectives' making in order
+        too); the old one is inactive (no opening is in flight), so it is freed."""
+        old = self._request
+        self._request = request = self.comm.Allgather_init(self._send, self._gathered)
+        self._renew_at = index + RENEW_EVERY
+        old.Free()
         return request
 
     def unpark(self, op: Op) -> None:
@@ -469,7 +493,7 @@ class Lane:
             self._send[:] = memoryview(op.block)  # type: ignore[arg-type]
             self._sent, op.gathered = None, self._gathered
             try:
-                request = self._open()
+                request = self._open(op.index)
             except Exception as error:  # MPI failed (a peer died)
                 self._turn(op, None, events)
                 events.append((op.opening.set, (str(error),)))
