@@ -41,17 +41,16 @@ and the rank adopts it; 7 once a nop with nothing to wait for skips `_submit`; 8
 after issue 28's lean path; 24 at 71edb87)."""
 MPI_ALLREDUCE_BUDGET = 40
 """Python calls per rank for one 1-element float32 allreduce over MPI (2 processes,
-device-resident buffers), the polls that find nothing not counted:
-tests/mpi/budget.py (39.10 once the opening is one persistent MPI request and a parked
-call settles where the opening ends, under the lane's lock; 39.12 once a call is one
-object from the device to the user; 40.12 to 40.20 once a call that ended well ends in
-one frame and a collective joins in line; 43.12 with the in-process path's admission
-in one event and two buffers checked in one call; 46.12 once the lane starts a lone
-opening in Lane.begin, an allreduce settles with its fold, and the awaiting task spins
-before it registers a waker; 52.10 on every run once a small collective runs with no
-body, parked on its opening, under one alarm per lane; 74.11 after issue 28's lean
-path; 131.09 with the lean lane alone; 163 to 294 before, vain polls counted, which
-its wait then could not help making)."""
+device-resident buffers), the polls that find nothing not counted: tests/mpi/budget.py
+(39.12 once a call is one object from the device to the user; 40.12 to 40.20
+once a call that ended well ends in one frame and a collective joins in line; 43.12
+with the in-process path's admission in one event and two buffers checked in
+one call; 46.12 once the lane starts a lone opening in Lane.begin, an allreduce settles with
+its fold, and the awaiting task spins before it registers a waker; 52.10 on every run
+once a small collective runs with no body, parked on its opening,
+under one alarm per lane; 74.11 after issue 28's lean path; 131.09 with the lean lane
+alone; 163 to 294 before, vain polls counted, which its wait then could not help
+making)."""
 
 P2P_BUDGET = 144
 """Python calls for one send/recv pair between 2 in-process ranks: a 1-element
