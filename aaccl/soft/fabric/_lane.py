@@ -137,7 +137,12 @@ class Op:
         self.index = index  # its place in the lane: the same on every rank
         self.fp = fp  # its call's, for a pending block (None: it takes its turn when it runs)
         self.block: np.ndarray | bytearray | None = None  # set when the call starts or is withdrawn
-        self.transfer: Callable[[], Any] | None = None  # starts the data's MPI collective
+        # starts the data's MPI collective, and holds its operand and result until MPI is
+        # done with them (`_finish`): mpi4py's request does not keep them alive (not for
+        # Iallreduce), and a freed buffer MPI still writes into corrupts the heap (the
+        # world's device memory, freed as it closes on Ctrl-C, under a transfer that a
+        # departed peer left unfinished)
+        self.transfer: Callable[[], Any] | None = None
         self.turn: Wait | None = None
         self.opening = opening = _new(Opening)  # (no __init__: one call less per call)
         opening.done, opening.value, opening.waiter = False, None, None
@@ -451,15 +456,14 @@ class Lane:
         elif agreed and op.transfer is not None:
             moving = True
             op.moved = moved = Matched(RECEIVE_TIMEOUT)
-            try:
+            try:  # (the op keeps `transfer`, which holds the buffers, until MPI is done)
                 self._moving.append((op.transfer(), op))
             except Exception as error:  # (a peer died)
                 events.append((moved.set, (str(error),)))
                 self._finish(op)
-        op.transfer = None
         if not moving:  # (`_finish`, inline: this is every small collective's end)
             op.finished = True
-            op.block = op.gathered = None
+            op.block = op.gathered = op.transfer = None
             order = self._order
             while order and order[0].finished:
                 order.popleft()
@@ -467,7 +471,7 @@ class Lane:
 
     def _finish(self, op: Op) -> None:
         op.finished = True
-        op.block = op.gathered = None
+        op.block = op.gathered = op.transfer = None
         order = self._order
         while order and order[0].finished:
             order.popleft()
