@@ -24,6 +24,18 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _mpich_segments_reaped() -> object:
+    """The tests kill MPI ranks on purpose, and MPICH leaves the shared-memory file of
+    a job whose rank died early (/dev/shm/mpich_shm_*, a few MiB each, about 40 per
+    run of the suite): what the session left and nobody uses goes at its end."""
+    from aaccl.cli import _shm
+
+    before = _shm.segments()
+    yield
+    _shm.reap(before)
+
+
 def _script_module(folder: str, name: str) -> ModuleType:
     """FOLDER/NAME.py of this repository, loaded once (the folder is no package)."""
     key = f"aaccl_{folder}_{name}"

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import _shm
 from ._rank import WHOLE_LINES, missing
 from ._statuses import Board
 
@@ -141,6 +142,7 @@ def launch(nprocs: int, program: Sequence[str], hostfile: str | None = None,
     exe = find_mpiexec(mpiexec)
     cmd = command(exe, nprocs, program, hostfile, is_hydra(exe), prepend_rank)
     interrupted = False
+    segments = _shm.segments()  # MPICH's, before the job: those it leaves go after it
     with Board(nprocs) as board:
         # With SIGPIPE ignored (as in Python), hydra sees EPIPE when it writes to the
         # proxy of a rank that already exited, instead of dying of the signal.
@@ -153,6 +155,7 @@ def launch(nprocs: int, program: Sequence[str], hostfile: str | None = None,
             interrupted = True
             code = stop(proc)
         reported = board.statuses()
+    _shm.reap(segments)
     launcher = 128 - code if code < 0 else code
     status = job_status(launcher, reported, nprocs)
     if interrupted:
