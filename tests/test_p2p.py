@@ -557,3 +557,22 @@ async def test_a_waits_deadline_ends_with_the_wait() -> None:
         with pytest.raises(CCLOError):
             await b.recv(dst[:1], 1, 0, tag=k)  # nobody sends it: its deadline fails it
         assert not alarm.parked
+
+
+async def test_a_negative_peer_fails_on_the_cclo_instead_of_wrapping_to_the_last_rank() -> None:
+    """The API refuses a negative dst; a call that reaches the soft CCLO with one (a
+    raw driver call) fails to decode, as one past the communicator does, instead of
+    Python's indexing sending it to the last rank."""
+    from aaccl._constants import Scenario
+
+    async with aaccl.open_world(3, timeout=0.5) as (a, b, c):
+        src = a.allocate(1, np.float32)
+        src.sync_to_device()
+        for peer in (-1, 3):
+            call = a._driver.start(Scenario.SEND, 1, 0, peer, 0, 5, np.dtype(np.float32),
+                                   None, None, 0, (src.device_address, 0, 0))
+            assert call.block(5)
+            assert call.retcode & ErrorCode.DMA_DECODE_ERROR, hex(call.retcode)
+        await a.send(src, 1, 2, tag=6)  # the rank goes on
+        dst = c.allocate(1, np.float32)
+        await c.recv(dst, 1, 0, tag=6)

@@ -23,7 +23,7 @@ class SendCall(SoftCall):
         self.seq: int | None = None  # its place in the peer's message order, once taken
         self.comm = comm = dev.comm(args.comm)
         index = args.root_src_dst
-        peer = comm.sessions[index] if index < comm.size else comm.peer(index)  # (raises)
+        peer = comm.sessions[index] if 0 <= index < comm.size else comm.peer(index)  # (raises)
         if args.stream_flags:  # (no flags: no streams)
             self.use_streams(comm.size, False)
         if not self.res_stream:  # a put into the peer's stream is outside the message order
@@ -89,7 +89,7 @@ class RecvCall(SoftCall):
         self.posted: PostedRecv | None = None
         comm = dev.comm(args.comm)
         index = args.root_src_dst
-        self.src = comm.sessions[index] if index < comm.size else comm.peer(index)  # (raises)
+        self.src = comm.sessions[index] if 0 <= index < comm.size else comm.peer(index)  # (raises)
         self.key = ("p2p", comm.key)
         if args.stream_flags:  # (no flags: no streams)
             self.use_streams(comm.size, False)

@@ -95,7 +95,9 @@ class Comm:
         self.key: Hashable = self.sessions  # the same group matches on every rank
 
     def peer(self, index: int) -> int:
-        if index >= self.size:
+        """The session of communicator rank `index` (one the CCLO cannot decode
+        fails the call: a negative index too, which would wrap to the last rank)."""
+        if not 0 <= index < self.size:
             raise CallFailed(ErrorCode.DMA_DECODE_ERROR)
         return self.sessions[index]
 
@@ -105,7 +107,8 @@ class SoftCall(DeviceCall):
     returns): one object from submission to completion. Subclasses say how it is
     admitted and what it runs."""
 
-    __slots__ = ("dev", "state", "failure", "deps_left", "body", "waiting", "aborting", "failure_detail", "failure_error", "op0_stream", "res_stream")
+    __slots__ = ("dev", "state", "failure", "deps_left", "body", "waiting", "aborting",
+                 "failure_detail", "failure_error", "op0_stream", "res_stream")
 
     args: CallArgs  # (DeviceCall's slot) a soft call is always a CCLO call, never host work
 
