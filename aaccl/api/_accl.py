@@ -524,10 +524,8 @@ class ACCL:
     def _wait(self, call: Call) -> Awaitable[None]:
         """Wait for `call` where asyncio's future cannot: on trio, or polling the
         device (`_bridge.wait`)."""
-        loop = self._loop  # (`running_loop`, its common case inline)
-        if loop is None or loop._thread_id != _ident():  # type: ignore[attr-defined]
-            loop = running_loop(self)
-        return _bridge.wait(call._register, self._poller, call._forget, call, loop)
+        return _bridge.wait(call._register, self._poller, call._forget, call,
+                            running_loop(self))
 
     def _forget(self, call: Call) -> None:
         with self._lock:

@@ -17,8 +17,7 @@ def outcome(call: Call) -> BaseException | None:
     sync (`finish`) if it succeeded. On the completing thread, before anyone can see
     the call done: a dependent submitted meanwhile finds the error in place."""
     # (named only if it failed: a call that syncs its result formats no name to succeed)
-    error: BaseException | None = Driver.error(call, call.name) \
-        if call.retcode or call.aborted or call.error is not None else None
+    error: BaseException | None = Driver.error(call, call.name) if call.failed else None
     finish = call._finish
     if error is None and finish is not None:
         try:
