@@ -56,9 +56,7 @@ P2P_BUDGET = 144
 """Python calls for one send/recv pair between 2 in-process ranks: a 1-element
 float32 send of a fresh slice (whose device address is not looked up yet) to a
 receive into another, device-resident (from_fpga, to_fpga), awaited together with
-asyncio.gather, the event loop's own calls included. 144 once the send's and the
-recv's one test is one function of the checks (`check.plain_transfer`) instead of a
-copy in each; 142 once a send and a recv
+asyncio.gather, the event loop's own calls included. 142 once a send and a recv
 are checked in one condition (a slice's address through ctypes.c_char, not numpy's
 ctypes), admitted without the stream and compression checks they do not need,
 matched with no tuple per queued item, and a peer looked up in line; 204.12 at

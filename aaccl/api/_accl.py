@@ -14,7 +14,8 @@ import anyio
 import numpy as np
 
 from .. import _trace
-from .._constants import GLOBAL_COMM, TAG_ANY, ReduceFunction, Scenario, StreamFlags
+from .._constants import (GLOBAL_COMM, SUPPORTED_DTYPES, TAG_ANY, ReduceFunction, Scenario,
+                          StreamFlags)
 from .._errors import DependencyError
 from .._threads import quietly
 from ..devices import Device, DeviceCall
@@ -34,7 +35,7 @@ _getframe = sys._getframe
 _API_LAYER = True
 """The calls a module with this global makes are its caller's: a never-awaited call
 points past its frames, at the user's line (see `_track`)."""
-_COUNT_END = check.COUNT_END
+_COUNT_END = 2**32  # counts below it fit the CCLO's 32-bit register
 _NO_REDUCTION = object()  # `_all`'s func for the collectives that reduce nothing
 BOTH_STREAMS = OP0_STREAM | RES_STREAM
 _SEND, _RECV, _NOP = Scenario.SEND, Scenario.RECV, Scenario.NOP
@@ -668,10 +669,17 @@ class ACCL:
         receiver has it. With OP0_STREAM the data comes from the kernel stream (srcbuf
         only gives the dtype); with RES_STREAM it goes into rank `dst`'s kernel stream,
         under `tag` (0..246), and no recv takes it."""
-        if check.plain_transfer(srcbuf, count, dst, tag, comm_id, from_fpga, compress_dtype,
-                                stream_flags, self, self._driver.communicators):
-            alloc, at = srcbuf._allocation, srcbuf._address  # (checked, located)
-            assert alloc is not None and at is not None
+        comms = self._driver.communicators
+        if type(srcbuf) is Buffer and type(count) is int and type(dst) is int \
+                and type(tag) is int and type(comm_id) is int and type(from_fpga) is bool \
+                and compress_dtype is None and type(stream_flags) is int and not stream_flags \
+                and 0 <= comm_id < len(comms) and 0 <= dst < len(comms[comm_id][1].ranks) \
+                and 0 <= count <= srcbuf.size and count < _COUNT_END and 0 <= tag <= TAG_ANY \
+                and (alloc := srcbuf._allocation) is not None and alloc.owner is self \
+                and (srcbuf._address is not None or srcbuf._locate() is not None) \
+                and srcbuf.dtype in SUPPORTED_DTYPES:
+            # the common case, checked in one test (the checks below say what is wrong)
+            at: int = srcbuf._address  # type: ignore[assignment]  # (located just now)
             return self._submit(
                 "send", _SEND, waitfor, count=count, comm_id=comm_id, root_src_dst=dst, tag=tag,
                 dtype=srcbuf.dtype, buffers=(srcbuf, None, None),
@@ -697,10 +705,17 @@ class ACCL:
              *, stream_flags: int = 0, waitfor: Calls = ()) -> Call:
         """Receive `count` elements from rank `src` into dstbuf. With RES_STREAM they go
         to the kernel stream instead (dstbuf only gives the dtype)."""
-        if check.plain_transfer(dstbuf, count, src, tag, comm_id, to_fpga, compress_dtype,
-                                stream_flags, self, self._driver.communicators):
-            alloc, at = dstbuf._allocation, dstbuf._address  # (checked, located)
-            assert alloc is not None and at is not None
+        comms = self._driver.communicators
+        if type(dstbuf) is Buffer and type(count) is int and type(src) is int \
+                and type(tag) is int and type(comm_id) is int and type(to_fpga) is bool \
+                and compress_dtype is None and type(stream_flags) is int and not stream_flags \
+                and 0 <= comm_id < len(comms) and 0 <= src < len(comms[comm_id][1].ranks) \
+                and 0 <= count <= dstbuf.size and count < _COUNT_END and 0 <= tag <= TAG_ANY \
+                and (alloc := dstbuf._allocation) is not None and alloc.owner is self \
+                and (dstbuf._address is not None or dstbuf._locate() is not None) \
+                and dstbuf.dtype in SUPPORTED_DTYPES:
+            # the common case, checked in one test (the checks below say what is wrong)
+            at: int = dstbuf._address  # type: ignore[assignment]  # (located just now)
             return self._submit(
                 "recv", _RECV, waitfor, count=count, comm_id=comm_id, root_src_dst=src, tag=tag,
                 dtype=dstbuf.dtype, buffers=(None, None, dstbuf),

@@ -13,9 +13,6 @@ from .._constants import (COMPRESSION_PAIRS, MAX_STREAM_ID, SUPPORTED_DTYPES, TA
 from ._buffer import Buffer
 from ._call import Call
 
-COUNT_END = 2**32
-"""Counts below it fit the CCLO's 32-bit count register."""
-
 
 def dtype(value: Any) -> np.dtype:
     """A dtype a buffer can hold: any numpy dtype of plain data. The CCLO itself moves
@@ -54,7 +51,7 @@ def count(value: Any) -> int:
     value = _integer(value, "count")
     if value < 0:
         raise ValueError(f"count must not be negative, got {value}")
-    if value >= COUNT_END:
+    if value >= 2**32:
         raise ValueError(f"count {value} does not fit the CCLO's 32-bit count")
     return value
 
@@ -116,23 +113,6 @@ def buffers(sbuf: Any, rbuf: Any, owner: object, sends: int, receives: int,
                 and sbuf.dtype in SUPPORTED_DTYPES and rbuf.dtype in SUPPORTED_DTYPES:
             return sbuf, rbuf
     return buffer(sbuf, "sbuf", owner, sends), buffer(rbuf, "rbuf", owner, receives)
-
-
-def plain_transfer(buf: Any, count: Any, peer: Any, tag: Any, comm_id: Any, flag: Any,
-                   compress_dtype: Any, stream_flags: Any, owner: object,
-                   comms: list[Any]) -> bool:
-    """Whether a send's or a receive's arguments are the common case, in one test:
-    plain types, peer and tag in range, no streams, no compression, and `count`
-    elements of a Buffer of this rank whose device address is known (looked up here
-    if need be). If not, the checks one by one say what is wrong."""
-    return type(buf) is Buffer and type(count) is int and type(peer) is int \
-        and type(tag) is int and type(comm_id) is int and type(flag) is bool \
-        and compress_dtype is None and type(stream_flags) is int and not stream_flags \
-        and 0 <= comm_id < len(comms) and 0 <= peer < len(comms[comm_id][1].ranks) \
-        and 0 <= count <= buf.size and count < COUNT_END and 0 <= tag <= TAG_ANY \
-        and (alloc := buf._allocation) is not None and alloc.owner is owner \
-        and (buf._address is not None or buf._locate() is not None) \
-        and buf.dtype in SUPPORTED_DTYPES
 
 
 def same_dtype(**buffers: Buffer | None) -> np.dtype:
