@@ -353,7 +353,8 @@ class ACCL:
         waits: list[DeviceCall] = list(deps) if deps else []
         hazards: tuple[Call, ...] = ()
         book = self._hazards  # (its dicts read directly: bool(book) would be a call)
-        if (reads or writes) and (book._regions or book._lone) and book.uses(reads, writes):
+        if (reads or writes) and (book._one is not None or book._regions or book._lone) \
+                and book.uses(reads, writes):
             hazards, synced = self._order(deps, waits, reads, writes, sync_in)
             writes += synced
         else:
@@ -453,7 +454,7 @@ class ACCL:
                 waits.append(call)
         return tuple(c for c in conflicting if c not in deps), tuple(synced)
 
-    def _track(self, op: str, engine: str, device_call: DeviceCall, deps: tuple[Call, ...],
+    def _track(self, op: str, engine: str, call: DeviceCall, deps: tuple[Call, ...],
                submitted: int, finish: Callable[[], None] | None = None,
                buffers: tuple[object, ...] = (), *, reads: tuple[Span, ...] = (),
                writes: tuple[Span, ...] = (), hazards: tuple[Call, ...] = (),
@@ -461,48 +462,60 @@ class ACCL:
         """The Call of a submitted device call, kept (with the memory it uses) until
         it completes. The user's frame is `depth` frames up from this one."""
         self._ncalls += 1
-        trace = _trace._active if submitted else None  # submitted is 0 unless tracing
-        on_done: Callable[[Call], None] = self._forget
-        if trace is not None:
-            record = self._record(trace, op, engine, device_call, submitted)
-
-            def on_done(call: Call) -> None:  # recorded before anyone is woken
-                record(device_call)
-                self._forget(call)
-        name = (op, self._rank, self._ncalls, where)  # formatted if ever read
+        # submitted is 0 unless tracing: then the call's run is recorded once it ended
+        on_done = self._forget if not submitted else self._traced(op, engine, submitted)
         # Where the user made the call, for its never-awaited warning: `depth` frames
         # up (3: _track <- _submit, _transfer or _run_kernel <- nop, sync_to_device or
         # Kernel.__call__ <- user; the collectives' wrapper and _all add theirs), past
         # any further API layer (aaccl.compat's). Its code and instruction offset, not
         # the frame, which would keep the user's locals alive: the line is looked up if
-        # ever needed.
+        # ever needed. Its name is formatted if ever read.
         frame = _getframe(depth)
         while "_API_LAYER" in frame.f_globals:
             frame = frame.f_back  # type: ignore[assignment]  # the user's is further up
-        origin = (frame.f_code, frame.f_lasti, frame.f_globals)
-        result = device_call  # the rank's from now on: one object from device to user
-        if not result._adopt(self, name, deps + hazards, finish, on_done, buffers, origin):
+        # the device's call is the rank's from now on: one object from device to user
+        if not call._adopt(self, (op, self._rank, self._ncalls, where),
+                           deps + hazards if hazards else deps, finish, on_done, buffers,
+                           (frame.f_code, frame.f_lasti, frame.f_globals)):
             # ended on the spot (a nop, the last rank of a meeting, a failure): not tracked
-            if trace is not None:
-                record(device_call)
+            if submitted:
+                on_done(call)
             if hazards:  # nobody has seen its error yet
-                self._explain(result, hazards)
-            return result
+                self._explain(call, hazards)
+            return call
         with self._lock:
-            finished = result._finished
-            if not finished:
-                self._outstanding.add(result)
+            if not call._finished:
+                self._outstanding.add(call)
                 if reads or writes:
-                    self._hazards.add(result, reads, writes)
+                    book = self._hazards  # (alone in it: one slot, set in line)
+                    if book._one is None and not book._regions and not book._lone:
+                        book._one, book._one_spans = call, (reads, writes)
+                    else:
+                        book.add(call, reads, writes)
                 if hazards:
-                    self._hazard_deps[result] = hazards
+                    self._hazard_deps[call] = hazards
                 if sync_out:
-                    self._syncs_out[result] = sync_out[0]
-        if finished and hazards:  # failed at once: nobody has seen its error yet
-            self._explain(result, hazards)
-        return result
+                    self._syncs_out[call] = sync_out[0]
+                return call
+        if hazards:  # failed at once: nobody has seen its error yet
+            self._explain(call, hazards)
+        return call
 
-    def _record(self, trace: _trace.Trace, op: str, engine: str, device_call: DeviceCall,
+    def _traced(self, op: str, engine: str, submitted: int) -> Callable[[Call], None]:
+        """A traced call's `on_done`: records its run (before anyone is woken), then
+        forgets it."""
+        trace = _trace._active
+        if trace is None:  # tracing ended since the call was submitted
+            return self._forget
+        record = self._record(trace, op, engine, submitted)
+
+        def on_done(call: Call) -> None:
+            record(call)
+            self._forget(call)
+
+        return on_done
+
+    def _record(self, trace: _trace.Trace, op: str, engine: str,
                 submitted: int) -> Callable[[DeviceCall], None]:
         """Trace the host's submission (with its syncs); return what traces the call's
         run on the device once it completed (its Call's `on_done`: before the Call
@@ -528,11 +541,18 @@ class ACCL:
                             running_loop(self))
 
     def _forget(self, call: Call) -> None:
+        """A tracked call ended (its `on_done`): its records go, in a few lines where
+        it was alone in the books."""
         with self._lock:
             self._outstanding.discard(call)
-            self._hazards.discard(call)
-            self._syncs_out.pop(call, None)
-            hazards = self._hazard_deps.pop(call, None)
+            book = self._hazards
+            if book._one is call:
+                book._one = book._one_spans = None
+            elif book._regions or book._lone:
+                book.discard(call)
+            if self._syncs_out:
+                self._syncs_out.pop(call, None)
+            hazards = self._hazard_deps.pop(call, None) if self._hazard_deps else None
         if hazards is not None:
             self._explain(call, hazards)
 

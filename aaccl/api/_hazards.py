@@ -22,7 +22,10 @@ Most calls use memory no other unfinished call of their rank uses: such a call i
 kept as it came, its spans under its allocations (`_lone`), with no segment built;
 only a second call on the same allocation turns the first one's spans into
 segments. So a rank whose calls do not share memory pays a dict entry per
-allocation, whatever the size of the books.
+allocation, whatever the size of the books. And a call alone in the books (a
+rank's small calls one at a time) is one slot (`_one`): added and forgotten in a
+store each (the rank does both in line), and moved to `_lone` only once a second
+call comes.
 """
 
 from __future__ import annotations
@@ -89,19 +92,33 @@ class Hazards(Generic[K]):
         # accesses of such calls, as they came
         self._lone: dict[int, K] = {}
         self._solo: dict[K, tuple[Sequence[Span], Sequence[Span]]] = {}
+        # the one call in the books, when the rest is empty, and its (non-empty) spans
+        self._one: K | None = None
+        self._one_spans: tuple[Sequence[Span], Sequence[Span]] | None = None
 
     def __bool__(self) -> bool:
         """False when no memory is in use by an unfinished call: nothing to check."""
-        return bool(self._regions) or bool(self._lone)
+        return self._one is not None or bool(self._regions) or bool(self._lone)
 
     def __len__(self) -> int:
         """Calls tracked (some of them may be superseded already)."""
-        return len(self._held.keys() | self._solo.keys())
+        return len(self._held.keys() | self._solo.keys()) + (self._one is not None)
 
+    def _spill(self) -> None:
+        """A second call comes: the one call's spans go under their allocations."""
+        key, spans = self._one, self._one_spans
+        assert key is not None and spans is not None
+        self._one = self._one_spans = None
+        for accesses in spans:
+            for base, _, _ in accesses:
+                self._lone[base] = key
+        self._solo[key] = spans
 
     def uses(self, reads: Iterable[Span], writes: Iterable[Span] = ()) -> bool:
         """Whether an unfinished call uses any of these spans' allocations: if not, a
         call on them conflicts with nothing (O(1) per span)."""
+        if self._one is not None:
+            self._spill()
         regions, lone = self._regions, self._lone
         if regions or lone:
             for spans in (reads, writes):
@@ -114,6 +131,8 @@ class Hazards(Generic[K]):
         """Unfinished calls a call with these accesses must wait for, in the order
         first found, each once."""
         found: dict[K, None] = {}
+        if self._one is not None:
+            self._spill()
         if not self._regions and not self._lone:
             return []
         for span in reads:
@@ -148,14 +167,14 @@ class Hazards(Generic[K]):
     def add(self, key: K, reads: Sequence[Span] = (), writes: Sequence[Span] = ()) -> None:
         """Record a submitted call's accesses. Reads go first: a call that reads and
         writes the same bytes (in place) is their writer."""
+        if self._one is not None:
+            self._spill()
         regions, lone = self._regions, self._lone
-        if not regions and not lone:  # no other unfinished call uses memory: all lone
-            for spans in (reads, writes):
-                for base, start, end in spans:
-                    if start < end:
-                        lone[base] = key
-            if lone:
-                self._solo[key] = (reads, writes)
+        if not regions and not lone:  # no other unfinished call uses memory: the one
+            reads = tuple(span for span in reads if span[1] < span[2])
+            writes = tuple(span for span in writes if span[1] < span[2])
+            if reads or writes:
+                self._one, self._one_spans = key, (reads, writes)
             return
         bases: list[int] = []
         shared = False
@@ -197,6 +216,10 @@ class Hazards(Generic[K]):
 
     def discard(self, key: K) -> None:
         """Forget a finished call (no-op for a call never added)."""
+        if self._one is not None:  # nothing else is in the books
+            if self._one == key:
+                self._one = self._one_spans = None
+            return
         solo = self._solo.pop(key, None)
         if solo is not None:
             lone = self._lone
@@ -222,6 +245,8 @@ class Hazards(Generic[K]):
 
     def layout(self, base: int) -> list[tuple[int, int, K | None, list[K]]]:
         """(start, end, writer, readers) of each segment of an allocation: for tests."""
+        if self._one is not None:
+            self._spill()
         if base in self._lone:
             self._segment(self._lone.pop(base), base)
         region = self._regions.get(base)

@@ -166,12 +166,26 @@ class Call:
                  "_name", "_retrieved", "_used", "_given_up", "_deps", "_buffers", "_finish",
                  "_on_done", "_origin", "_seen", "__weakref__")
 
-    # (the API's slots are set when a rank adopts the call: `adopt`)
+    retcode: int
+    aborted: bool  # a dependency failed, so the call never ran
+    error: Exception | None  # the device could not run it, or host work raised
+    detail: str | None  # what went wrong, in words, where the device knows
+    # perf_counter_ns when the device began running it (0: not yet), and when its
+    # outcome was set, before anyone was told
+    started: int
+    ended: int
+    owner: Owner | None
+    _callbacks: list[Callable[[Call], None]] | None
+    _wakers: list[Waker] | None
+    _settled: bool  # the device set its outcome
+    _finished: bool  # ... and its owner has made it the call's error: it is done
+    _error: BaseException | None  # what awaiting it raises
+    # (the API's: set when a rank adopts the call, `_adopt`; the flags start False)
     _name: str | tuple[str, int, int, str]
     _deps: tuple[Call, ...]
     _buffers: tuple[object, ...]
-    _finish: Callable[[], None] | None
-    _on_done: Callable[[Call], None] | None
+    _finish: Callable[[], None] | None  # (set with the owner, under the lock)
+    _on_done: Callable[[Call], None] | None  # (ditto)
     _origin: Origin | None
     _retrieved: bool
     _used: bool  # awaited, waited, exception() read or in a waitfor: see __del__
@@ -180,22 +194,16 @@ class Call:
 
     def __init__(self, args: CallArgs | None, done: bool = False) -> None:
         """A call with these arguments, to be completed; `done`: it ended well the
-        moment it was made (a nop with nothing to wait for), with nobody to tell."""
+        moment it was made (a nop with nothing to wait for), with nobody to tell.
+        (Each field with a natural default is set once, in one line per default.)"""
         self.args = args
         self._lock = threading.Lock()
-        self._callbacks: list[Callable[[Call], None]] | None = None
-        self._wakers: list[Waker] | None = None
+        self.owner = self.error = self.detail = self._error = None
+        self._callbacks = self._wakers = self._finish = self._on_done = None
+        self.aborted = self._retrieved = self._used = self._seen = self._given_up = False
         self.retcode = 0
-        self.aborted = False  # a dependency failed, so the call never ran
-        self.error: Exception | None = None  # the device could not run it, or host work raised
-        # perf_counter_ns when the device began running it (0: not yet), and when its
-        # outcome was set, before anyone was told
         self.started = self.ended = _now() if done else 0
-        self.detail: str | None = None  # what went wrong, in words, where the device knows
-        self._settled = done  # the device set its outcome
-        self._finished = done  # ... and its owner has made it the call's error: it is done
-        self.owner: Owner | None = None
-        self._error: BaseException | None = None  # what awaiting it raises
+        self._settled = self._finished = done
 
     # -- the device's side ------------------------------------------------------------
 
@@ -216,31 +224,25 @@ class Call:
             if self._settled:
                 raise RuntimeError("device call completed twice")
             self.retcode, self.aborted, self.error, self.detail = retcode, aborted, error, detail
-            self.ended = _now()  # (a trace's end: not when a callback ran)
-            self._settled = True
-            owner = self.owner
-            plain = owner is None or not (retcode or aborted or error is not None
-                                          or self._finish is not None)
-            if plain:  # nothing to work out (the common small call): done at once
-                if owner is not None:
-                    self._buffers = self._deps = ()
-                self._finished = True
-                wakers, self._wakers = self._wakers, None
-                callbacks, self._callbacks = self._callbacks, None
-        if not plain:
+            self.ended, self._settled = _now(), True  # (a trace's end: not when a callback ran)
+            # the owner works out a failure's error, or runs a host sync (`_finish`, set
+            # with the owner); anything else (the common small call) is done at once
+            work = self._finish is not None or retcode or aborted or error is not None
+            if not work:
+                self._finished, self._buffers, self._deps = True, (), ()
+                wakers, callbacks, on_done = self._wakers, self._callbacks, self._on_done
+                self._wakers = self._callbacks = None
+        if work:
             self._conclude()
             with self._lock:
                 self._finished = True
-                wakers, self._wakers = self._wakers, None
-                callbacks, self._callbacks = self._callbacks, None
-        if owner is not None:
-            on_done = self._on_done
-            if on_done is not None:
-                self._on_done = None
-                try:
-                    on_done(self)
-                except Exception:  # its own failure: the waiters still wake
-                    log.exception("aaccl: bookkeeping of a finished call failed")
+                wakers, callbacks, on_done = self._wakers, self._callbacks, self._on_done
+                self._wakers = self._callbacks = None
+        if on_done is not None:  # (the owner's: before anyone wakes)
+            try:
+                on_done(self)
+            except Exception:  # its own failure: the waiters still wake
+                log.exception("aaccl: bookkeeping of a finished call failed")
         if wakers:
             for wake in wakers:
                 if isinstance(wake, _Future):  # (any loop's future: uvloop's too)
@@ -274,16 +276,13 @@ class Call:
         already (a nop, the last rank of a meeting, a refusal): then its outcome is
         worked out here, and `on_done` never runs."""
         self._name, self._origin, self._buffers, self._deps = name, origin, buffers, deps
-        self._finish, self._on_done = finish, on_done
-        self._retrieved = self._used = self._seen = self._given_up = False
-        if not self._settled:  # (once settled it stays so: no lock needed to see it)
-            with self._lock:
-                if not self._settled:
-                    self.owner = owner
-                    return True
-        self.owner = owner
-        self._on_done = None
+        with self._lock:
+            if not self._settled:
+                self.owner, self._finish, self._on_done = owner, finish, on_done
+                return True
+            self.owner = owner
         if self.retcode or self.aborted or self.error is not None or finish is not None:
+            self._finish = finish
             self._conclude()
         else:
             self._buffers = self._deps = ()
@@ -293,7 +292,8 @@ class Call:
         """Work out the call's error from the device's outcome (its owner knows what
         it means) and run its host sync; never raises (nor hangs the device)."""
         owner = self.owner
-        assert owner is not None
+        if owner is None:  # a device's own call: its outcome is all there is
+            return
         try:
             self._error = owner._outcome(self)
         except Exception as exc:  # fail this call, never the device's thread
@@ -387,8 +387,10 @@ class Call:
                 wakers.remove(wake)  # (a future compares by identity)
 
     def __await__(self) -> Generator[Any, None, None]:
-        self._used = True  # even if the await is cancelled: the caller did await it
-        if not self._finished:
+        if self._finished and self.owner is not None:  # (the common small call: ended)
+            self._used = self._seen = True
+        else:
+            self._used = True  # even if the await is cancelled: the caller did await it
             owner = self.owner
             if owner is None:
                 raise TypeError("a device's own call is not awaitable")
@@ -425,12 +427,9 @@ class Call:
                     rank = getattr(owner, "rank", 0)
                     trace.add(rank, "host", f"await {self.name.split(' (')[0]}", began,
                               _now(), call=self.name)
-        self._seen = True
-        if self._deps:
+            self._seen = True
+        if self._error is not None:  # (a call that succeeded has no error to retrieve)
             self._mark_retrieved()
-        else:
-            self._retrieved = True
-        if self._error is not None:
             raise self._error
 
     async def wait_async(self) -> None:
@@ -460,9 +459,9 @@ class Call:
         # One report per failure. A failure is logged unless someone retrieved it (itself or
         # through a dependent's DependencyError): the warning would add nothing. A call
         # that did not fail (or never finished) and was never used warns.
-        if getattr(self, "owner", None) is None:  # (None too if __init__ never ran)
-            return  # a device's own call: nobody was to await it
-        error = self._error
+        error = getattr(self, "_error", None)  # (None too if __init__ never ran)
+        if error is None and getattr(self, "_used", True) or self.owner is None:
+            return  # used and ended well, or a device's own call: nobody was to await it
         if error is not None:
             # an Aborted call's world ended early: that cause is reported, not each call;
             # nor is every call that failed because one did (a loop of 10,000 calls
