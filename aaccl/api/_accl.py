@@ -350,12 +350,13 @@ class ACCL:
                              "result in device memory")
         deps = () if type(waitfor) is tuple and not waitfor else check.waitfor(waitfor, self)
         submitted = time.perf_counter_ns() if _trace._active is not None else 0
-        waits: list[DeviceCall] = list(deps) if deps else []
+        waits: Sequence[DeviceCall] = deps
         hazards: tuple[Call, ...] = ()
-        book = self._hazards  # (its dicts read directly: bool(book) would be a call)
+        book = self._hazards  # (its fields read directly: bool(book) would be a call)
         if (reads or writes) and (book._one is not None or book._regions or book._lone) \
                 and book.uses(reads, writes):
-            hazards, synced = self._order(deps, waits, reads, writes, sync_in)
+            waits = ordered = list(deps)
+            hazards, synced = self._order(deps, ordered, reads, writes, sync_in)
             writes += synced
         else:
             for region in sync_in:
@@ -363,17 +364,15 @@ class ACCL:
         b0, b1, b2 = buffers  # checked: their addresses are known
         addrs = (0 if b0 is None else b0._address, 0 if b1 is None else b1._address,
                  0 if b2 is None else b2._address)
-        device_call = self._driver.start(  # (by position: keywords cost on every call)
-            scenario, count, GLOBAL_COMM if comm_id is None else comm_id, root_src_dst,
-            function, tag, dtype, compress_dtype, operand_dtypes, stream_flags,
+        call = self._driver.start(  # (by position: keywords cost on every call)
+            scenario, count, GLOBAL_COMM if comm_id is None else comm_id, root_src_dst, function,
+            tag, dtype, compress_dtype, operand_dtypes, stream_flags,
             addrs, waits)  # type: ignore[arg-type]  # (checked buffers: their addresses known)
-        result = self._track(op, "cclo", device_call, deps, submitted,
-                             None if sync_out is None else sync_out.sync_from_device, buffers,
-                             reads=reads, writes=writes, hazards=hazards,
-                             sync_out=() if sync_out is None else _span(sync_out, sync_out.size),
-                             # errors name the communicator where it is not the world
-                             where="" if not comm_id else f", communicator {comm_id}",
-                             depth=depth)
+        # (by position too; errors name the communicator where it is not the world)
+        self._track(op, "cclo", call, deps, submitted,
+                    None if sync_out is None else sync_out.sync_from_device, buffers, reads,
+                    writes, hazards, () if sync_out is None else _span(sync_out, sync_out.size),
+                    "" if not comm_id else f", communicator {comm_id}", depth)
         if comm_id is not None and scenario is not _SEND and scenario is not _RECV:
             # a collective: which task issues it, against the last one on its order
             loop = self._loop  # (`running_loop`, its common case inline)
@@ -385,9 +384,9 @@ class ACCL:
             if last is not None and last[0] is not task:
                 before = last[2]()  # (None: dropped, so ended and never to be seen)
                 if before is not None and (not before._settled or not before._seen):
-                    check_race(order, result, before, deps, task)
-            order.last = (task, result._name, _weakref(result))
-        return result
+                    check_race(order, call, before, deps, task)
+            order.last = (task, call._name, _weakref(call))
+        return call
 
     def _message_order(self, comm_id: int) -> Order:
         """The message order of communicator `comm_id`, which communicators of the same
@@ -456,7 +455,7 @@ class ACCL:
 
     def _track(self, op: str, engine: str, call: DeviceCall, deps: tuple[Call, ...],
                submitted: int, finish: Callable[[], None] | None = None,
-               buffers: tuple[object, ...] = (), *, reads: tuple[Span, ...] = (),
+               buffers: tuple[object, ...] = (), reads: tuple[Span, ...] = (),
                writes: tuple[Span, ...] = (), hazards: tuple[Call, ...] = (),
                sync_out: tuple[Span, ...] = (), where: str = "", depth: int = 3) -> Call:
         """The Call of a submitted device call, kept (with the memory it uses) until
@@ -863,30 +862,40 @@ class ACCL:
         """Collectives where every rank both sends and receives; a chunked buffer holds
         `count` elements per rank; `func` is _NO_REDUCTION for those that reduce nothing."""
         try:
-            if type(from_fpga) is not bool or type(to_fpga) is not bool:
-                check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
-            function = 0 if func is _NO_REDUCTION else int(
-                func if type(func) is ReduceFunction else check.function(func))
             comms = self._driver.communicators
-            size = len(comms[comm_id][1].ranks) if type(comm_id) is int \
-                and 0 <= comm_id < len(comms) else self._comm_size(comm_id)
-            inputs, outputs = (size if chunked_in else 1), (size if chunked_out else 1)
-            n = count if type(count) is int and 0 <= count < _COUNT_END else check.count(count)
-            s, d = check.buffers(sbuf, rbuf, self, n * inputs, n * outputs)
-            dtype = s.dtype
-            if d.dtype != dtype:
-                check.same_dtype(sbuf=s, rbuf=d)
-            wire = None if compress_dtype is None else check.compression(dtype, compress_dtype)
+            if type(sbuf) is Buffer and type(rbuf) is Buffer and type(count) is int \
+                    and type(comm_id) is int and 0 <= comm_id < len(comms) \
+                    and 0 <= count < _COUNT_END and (sa := sbuf._allocation) is not None \
+                    and (da := rbuf._allocation) is not None and sa.owner is self \
+                    and da.owner is self and sbuf._address is not None \
+                    and rbuf._address is not None and (dtype := sbuf.dtype) in SUPPORTED_DTYPES \
+                    and rbuf.dtype == dtype and type(from_fpga) is bool and type(to_fpga) is bool \
+                    and (func is _NO_REDUCTION or type(func) is ReduceFunction) \
+                    and compress_dtype is None:
+                # the common case, checked in one test (the checks below say what is wrong),
+                # but for the sizes, which need the communicator's
+                size, n, s, d, wire = len(comms[comm_id][1].ranks), count, sbuf, rbuf, None
+                ins, outs = n * (size if chunked_in else 1), n * (size if chunked_out else 1)
+                if ins > s.size or outs > d.size:
+                    check.buffers(s, d, self, ins, outs)  # (raises, naming the buffer)
+                function = 0 if func is _NO_REDUCTION else int(func)  # type: ignore[call-overload]
+            else:
+                check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
+                function = 0 if func is _NO_REDUCTION else int(check.function(func))
+                size, n = self._comm_size(comm_id), check.count(count)
+                ins, outs = n * (size if chunked_in else 1), n * (size if chunked_out else 1)
+                s, d = check.buffers(sbuf, rbuf, self, ins, outs)
+                dtype = check.same_dtype(sbuf=s, rbuf=d)
+                wire = check.compression(dtype, compress_dtype)
+                sa, da = s._allocation, d._allocation
             s_at, d_at = s._address, d._address  # (looked up by check.buffer)
-            assert s_at is not None and d_at is not None and s._allocation and d._allocation
+            assert s_at is not None and d_at is not None and sa is not None and da is not None
+            reads = ((sa.address, s_at, s_at + ins * s.itemsize),) if n else ()
+            writes = ((da.address, d_at, d_at + outs * d.itemsize),) if n else ()
             return self._submit(op, scenario, waitfor, count=n, comm_id=comm_id, function=function,
-                                dtype=dtype, compress_dtype=wire, buffers=(s, d, d),
-                                reads=((s._allocation.address, s_at,
-                                        s_at + n * inputs * s.itemsize),) if n else (),
-                                writes=((d._allocation.address, d_at,
-                                         d_at + n * outputs * d.itemsize),) if n else (),
-                                sync_in=() if from_fpga else (_head(s, n * inputs),),
-                                sync_out=None if to_fpga else _head(d, n * outputs),
+                                dtype=dtype, compress_dtype=wire, buffers=(s, d, d), reads=reads,
+                                writes=writes, sync_in=() if from_fpga else (_head(s, ins),),
+                                sync_out=None if to_fpga else _head(d, outs),
                                 depth=4)  # _track <- _submit <- _all <- allreduce
         except (TypeError, ValueError) as exc:
             self._rejected(op, comm_id, exc)
