@@ -332,14 +332,16 @@ class ACCL:
                 sync_in: Sequence[Buffer] = (), sync_out: Buffer | None = None,
                 buffers: tuple[Buffer | None, Buffer | None, Buffer | None] = (None, None, None),
                 reads: tuple[Span, ...] = (), writes: tuple[Span, ...] = (),
+                addrs: tuple[int, int, int] | None = None,
                 depth: int = 3, count: int = 0, comm_id: int | None = None,
                 root_src_dst: int = 0, function: int = 0, tag: int = TAG_ANY,
                 dtype: np.dtype | None = None, compress_dtype: np.dtype | None = None,
                 operand_dtypes: Any = None, stream_flags: int = 0) -> Call:
         """Sync inputs in, start the call after `waitfor` and after the earlier calls
         its device memory (`reads`, `writes`; `sync_in` lies within `reads`) conflicts
-        with, and track it. `depth`: the user's frame as seen from `_track` (3 for a
-        public method calling this one). The rest is the call, for `Driver.start`
+        with, and track it. `addrs`: the device addresses of `buffers`, where the
+        caller has them at hand. `depth`: the user's frame as seen from `_track` (3 for
+        a public method calling this one). The rest is the call, for `Driver.start`
         (`comm_id` None: a call without a communicator)."""
         if self._closed:
             self._check_open()
@@ -350,8 +352,8 @@ class ACCL:
                              "result in device memory")
         deps = () if type(waitfor) is tuple and not waitfor else check.waitfor(waitfor, self)
         submitted = time.perf_counter_ns() if _trace._active is not None else 0
-        waits: Sequence[DeviceCall] = deps
-        hazards: tuple[Call, ...] = ()
+        waits: Sequence[DeviceCall]
+        hazards: tuple[Call, ...]
         book = self._hazards  # (its fields read directly: bool(book) would be a call)
         if (reads or writes) and (book._one is not None or book._regions or book._lone) \
                 and book.uses(reads, writes):
@@ -359,15 +361,17 @@ class ACCL:
             hazards, synced = self._order(deps, ordered, reads, writes, sync_in)
             writes += synced
         else:
+            waits, hazards = deps, ()
             for region in sync_in:
                 region.sync_to_device()
-        b0, b1, b2 = buffers  # checked: their addresses are known
-        addrs = (0 if b0 is None else b0._address, 0 if b1 is None else b1._address,
-                 0 if b2 is None else b2._address)
+        if addrs is None:
+            b0, b1, b2 = buffers  # checked: their addresses are known
+            addrs = (0 if b0 is None else b0._address, 0 if b1 is None else b1._address,
+                     0 if b2 is None else b2._address)  # type: ignore[assignment]
         call = self._driver.start(  # (by position: keywords cost on every call)
             scenario, count, GLOBAL_COMM if comm_id is None else comm_id, root_src_dst, function,
             tag, dtype, compress_dtype, operand_dtypes, stream_flags,
-            addrs, waits)  # type: ignore[arg-type]  # (checked buffers: their addresses known)
+            addrs, waits)  # type: ignore[arg-type]  # (set above if it was None)
         # (by position too; errors name the communicator where it is not the world)
         self._track(op, "cclo", call, deps, submitted,
                     None if sync_out is None else sync_out.sync_from_device, buffers, reads,
@@ -375,13 +379,12 @@ class ACCL:
                     "" if not comm_id else f", communicator {comm_id}", depth)
         if comm_id is not None and scenario is not _SEND and scenario is not _RECV:
             # a collective: which task issues it, against the last one on its order
-            loop = self._loop  # (`running_loop`, its common case inline)
-            if loop is None or loop._thread_id != _ident():  # type: ignore[attr-defined]
+            loop: Any = self._loop  # (`running_loop`, its common case in one line)
+            if loop is None or loop._thread_id != _ident():
                 loop = running_loop(self)
             task = asyncio_task(loop) if loop is not None else current_task()
             order = self._orders.get(comm_id) or self._message_order(comm_id)
-            last = order.last
-            if last is not None and last[0] is not task:
+            if (last := order.last) is not None and last[0] is not task:
                 before = last[2]()  # (None: dropped, so ended and never to be seen)
                 if before is not None and (not before._settled or not before._seen):
                     check_race(order, call, before, deps, task)
@@ -549,9 +552,10 @@ class ACCL:
                 book._one = book._one_spans = None
             elif book._regions or book._lone:
                 book.discard(call)
-            if self._syncs_out:
-                self._syncs_out.pop(call, None)
-            hazards = self._hazard_deps.pop(call, None) if self._hazard_deps else None
+            if not self._syncs_out and not self._hazard_deps:
+                return
+            self._syncs_out.pop(call, None)
+            hazards = self._hazard_deps.pop(call, None)
         if hazards is not None:
             self._explain(call, hazards)
 
@@ -701,7 +705,7 @@ class ACCL:
             at: int = srcbuf._address  # type: ignore[assignment]  # (located just now)
             return self._submit(
                 "send", _SEND, waitfor, count=count, comm_id=comm_id, root_src_dst=dst, tag=tag,
-                dtype=srcbuf.dtype, buffers=(srcbuf, None, None),
+                dtype=srcbuf.dtype, buffers=(srcbuf, None, None), addrs=(at, 0, 0),
                 reads=((alloc.address, at, at + count * srcbuf.itemsize),) if count else (),
                 sync_in=() if from_fpga else (
                     srcbuf if count == srcbuf.size and srcbuf.ndim == 1
@@ -737,7 +741,7 @@ class ACCL:
             at: int = dstbuf._address  # type: ignore[assignment]  # (located just now)
             return self._submit(
                 "recv", _RECV, waitfor, count=count, comm_id=comm_id, root_src_dst=src, tag=tag,
-                dtype=dstbuf.dtype, buffers=(None, None, dstbuf),
+                dtype=dstbuf.dtype, buffers=(None, None, dstbuf), addrs=(0, 0, at),
                 writes=((alloc.address, at, at + count * dstbuf.itemsize),) if count else (),
                 sync_out=None if to_fpga else
                 dstbuf if count == dstbuf.size and dstbuf.ndim == 1 else _head(dstbuf, count))
@@ -862,14 +866,13 @@ class ACCL:
         """Collectives where every rank both sends and receives; a chunked buffer holds
         `count` elements per rank; `func` is _NO_REDUCTION for those that reduce nothing."""
         try:
-            comms = self._driver.communicators
             if type(sbuf) is Buffer and type(rbuf) is Buffer and type(count) is int \
-                    and type(comm_id) is int and 0 <= comm_id < len(comms) \
+                    and type(comm_id) is int and type(from_fpga) is bool and type(to_fpga) is bool \
+                    and 0 <= comm_id < len(comms := self._driver.communicators) \
                     and 0 <= count < _COUNT_END and (sa := sbuf._allocation) is not None \
-                    and (da := rbuf._allocation) is not None and sa.owner is self \
-                    and da.owner is self and sbuf._address is not None \
-                    and rbuf._address is not None and (dtype := sbuf.dtype) in SUPPORTED_DTYPES \
-                    and rbuf.dtype == dtype and type(from_fpga) is bool and type(to_fpga) is bool \
+                    and (da := rbuf._allocation) is not None and sa.owner is self is da.owner \
+                    and sbuf._address is not None and rbuf._address is not None \
+                    and (dtype := sbuf.dtype) in SUPPORTED_DTYPES and rbuf.dtype == dtype \
                     and (func is _NO_REDUCTION or type(func) is ReduceFunction) \
                     and compress_dtype is None:
                 # the common case, checked in one test (the checks below say what is wrong),
@@ -894,7 +897,8 @@ class ACCL:
             writes = ((da.address, d_at, d_at + outs * d.itemsize),) if n else ()
             return self._submit(op, scenario, waitfor, count=n, comm_id=comm_id, function=function,
                                 dtype=dtype, compress_dtype=wire, buffers=(s, d, d), reads=reads,
-                                writes=writes, sync_in=() if from_fpga else (_head(s, ins),),
+                                writes=writes, addrs=(s_at, d_at, d_at),
+                                sync_in=() if from_fpga else (_head(s, ins),),
                                 sync_out=None if to_fpga else _head(d, outs),
                                 depth=4)  # _track <- _submit <- _all <- allreduce
         except (TypeError, ValueError) as exc:

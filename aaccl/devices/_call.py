@@ -201,9 +201,8 @@ class Call:
         self.owner = self.error = self.detail = self._error = None
         self._callbacks = self._wakers = self._finish = self._on_done = None
         self.aborted = self._retrieved = self._used = self._seen = self._given_up = False
-        self.retcode = 0
         self.started = self.ended = _now() if done else 0
-        self._settled = self._finished = done
+        self.retcode, self._settled, self._finished = 0, done, done
 
     # -- the device's side ------------------------------------------------------------
 
