@@ -101,6 +101,46 @@ def test_readers_are_kept_through_splits() -> None:
     assert not h
 
 
+def test_a_call_alone_in_the_books_is_one_slot_until_a_second_comes() -> None:
+    """The common case costs a slot: no allocation listed, no segment built, until a
+    second call comes; then the first one's spans are what they were."""
+    h: Hazards[str] = Hazards()
+    h.add("alone", reads=[rd(A, 0, 8)], writes=[rd(B, 0, 4)])
+    assert h._one == "alone" and not h._lone and not h._solo and not h._regions
+    assert h and len(h) == 1 and h.uses([rd(B, 8, 9)]) and not h.uses([rd(0x20000, 0, 4)])
+    assert h.conflicts(reads=[rd(A, 0, 8)]) == [] and h.conflicts(writes=[rd(A, 4, 5)]) == ["alone"]
+    assert h.conflicts(reads=[rd(B, 3, 9)]) == ["alone"] and h.conflicts(reads=[rd(B, 4, 9)]) == []
+    assert h._one == "alone"  # (asking changes nothing)
+    h.discard("someone else")
+    h.discard("alone")
+    assert not h and len(h) == 0 and h._one is None and h._one_spans is None
+    h.add("first", writes=[rd(A, 0, 8)])
+    h.add("second", reads=[rd(A, 4, 12)])
+    assert h._one is None and h.conflicts(writes=[rd(A, 0, 1)]) == ["first"]
+    assert h.layout(A) == [(A, A + 4, "first", []), (A + 4, A + 8, "first", ["second"]),
+                           (A + 8, A + 12, None, ["second"])]
+    h.discard("first")
+    h.discard("second")
+    assert not h and len(h) == 0
+
+
+def test_a_call_alone_beside_superseded_ones_is_one_slot_and_each_is_forgotten() -> None:
+    """Calls whose segments were all superseded are still listed (in `_held`) when
+    their allocation's region is gone: the next call alone is one slot, and forgetting
+    either leaves nothing behind."""
+    h: Hazards[str] = Hazards()
+    h.add("w1", writes=[rd(A, 0, 8)])
+    h.add("w2", writes=[rd(A, 0, 8)])  # supersedes w1 there
+    h.discard("w2")  # the region goes; w1 is listed still
+    assert not h._regions and not h._lone
+    h.add("alone", reads=[rd(B, 0, 4)])
+    assert h._one == "alone" and len(h) == 2
+    h.discard("w1")
+    assert h._one == "alone" and len(h) == 1 and not h._held and not h._solo
+    h.discard("alone")
+    assert not h and len(h) == 0
+
+
 class ByteModel:
     """The tracker's meaning, one byte at a time: each byte's last unfinished writer
     and the unfinished readers since."""

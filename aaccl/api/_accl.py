@@ -550,7 +550,7 @@ class ACCL:
             book = self._hazards
             if book._one is call:
                 book._one = book._one_spans = None
-            elif book._regions or book._lone:
+            elif book._held or book._solo:  # (every call the books list is in one of them)
                 book.discard(call)
             if not self._syncs_out and not self._hazard_deps:
                 return

@@ -92,7 +92,8 @@ class Hazards(Generic[K]):
         # accesses of such calls, as they came
         self._lone: dict[int, K] = {}
         self._solo: dict[K, tuple[Sequence[Span], Sequence[Span]]] = {}
-        # the one call in the books, when the rest is empty, and its (non-empty) spans
+        # the one call in the books when no other uses memory (others may be listed in
+        # _held or _solo still, all of their segments superseded), and its spans
         self._one: K | None = None
         self._one_spans: tuple[Sequence[Span], Sequence[Span]] | None = None
 
@@ -117,8 +118,14 @@ class Hazards(Generic[K]):
     def uses(self, reads: Iterable[Span], writes: Iterable[Span] = ()) -> bool:
         """Whether an unfinished call uses any of these spans' allocations: if not, a
         call on them conflicts with nothing (O(1) per span)."""
-        if self._one is not None:
-            self._spill()
+        if self._one_spans is not None:  # (then no allocation has a region or lone call)
+            for spans in (reads, writes):
+                for base, _, _ in spans:
+                    for accesses in self._one_spans:
+                        for other, _, _ in accesses:
+                            if other == base:
+                                return True
+            return False
         regions, lone = self._regions, self._lone
         if regions or lone:
             for spans in (reads, writes):
@@ -131,9 +138,7 @@ class Hazards(Generic[K]):
         """Unfinished calls a call with these accesses must wait for, in the order
         first found, each once."""
         found: dict[K, None] = {}
-        if self._one is not None:
-            self._spill()
-        if not self._regions and not self._lone:
+        if self._one is None and not self._regions and not self._lone:
             return []
         for span in reads:
             self._collect(span, False, found)
@@ -147,13 +152,21 @@ class Hazards(Generic[K]):
             return
         region = self._regions.get(base)
         if region is None:
-            other = self._lone.get(base)
-            if other is not None:  # one call there, its spans as they came
+            # one call there, its spans as they came: the one call in the books, or the
+            # lone call on this allocation
+            if self._one_spans is not None:
+                other: K | None = self._one
+                reads, writes = self._one_spans
+            else:
+                other = self._lone.get(base)
+                if other is None:
+                    return
                 reads, writes = self._solo[other]
-                if any(b == base and s < end and start < e and s < e for b, s, e in writes) \
-                        or write and any(b == base and s < end and start < e and s < e
-                                         for b, s, e in reads):
-                    found[other] = None
+            assert other is not None
+            if any(b == base and s < end and start < e and s < e for b, s, e in writes) \
+                    or write and any(b == base and s < end and start < e and s < e
+                                     for b, s, e in reads):
+                found[other] = None
             return
         lo, hi = region.overlapping(start, end)
         segments = region.segments
@@ -216,9 +229,8 @@ class Hazards(Generic[K]):
 
     def discard(self, key: K) -> None:
         """Forget a finished call (no-op for a call never added)."""
-        if self._one is not None:  # nothing else is in the books
-            if self._one == key:
-                self._one = self._one_spans = None
+        if self._one is not None and self._one == key:
+            self._one = self._one_spans = None
             return
         solo = self._solo.pop(key, None)
         if solo is not None:
