@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +53,9 @@ class SoftDevice(Device):
         self.exchmem = np.zeros(xm.SIZE // 4, np.uint32)
         self.exchmem[xm.HWID // 4] = HWID
         self.memory = DeviceMemory()
-        self.views: dict[tuple[int, np.dtype, int], np.ndarray] = {}  # kept: see `array`
+        # views of device memory its calls made (and tuples of them), by what they are
+        # made of: kept (see `array`) until memory is freed
+        self.views: dict[Hashable, Any] = {}
         self.timeout = 1.0
         self.max_eager_size = 0
         self.max_rendezvous_size = 0

@@ -8,6 +8,7 @@ one of theirs does (`_peer_failed`). How the fabric takes part in the collective
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from ..._constants import ErrorCode, Scenario
 from ..._errors import Aborted
@@ -19,11 +20,14 @@ from ._state import (COLLECTIVES, MISMATCH, REDUCING, ROOTED, SIZE_MISMATCH, Cal
                      SoftCall, State, check_compression, describe_call)
 
 
+_now = time.perf_counter_ns
+
+
 class CollectiveCall(SoftCall):
     """copy, combine and the collectives (copy and combine have no communicator:
     nothing of this concerns them)."""
 
-    __slots__ = ("comm", "seq", "prefix", "fp", "quiet", "way", "path", "met")
+    __slots__ = ("comm", "seq", "prefix", "fp", "way", "path", "meeting")
 
     # (declared here once: `prepare` sets them on a fast path and on the full one)
     comm: Comm | None
@@ -32,8 +36,9 @@ class CollectiveCall(SoftCall):
     fp: Fingerprint | None
     path: Datapath | None
     way: Collective | None  # how its fabric takes part (None: messages)
-    quiet: bool
-    met: bool  # in process: it came to its meeting, or gave its place there up
+    meeting: Any  # in process: the meeting it joined, until it came or gave its place up
+    quiet = False
+    """Its failure came from a peer, which has told the others (set where so)."""
 
     def prepare(self) -> None:
         """Take the call's place among its communicator's collectives and check it
@@ -41,9 +46,6 @@ class CollectiveCall(SoftCall):
         messages, now and as they come, and by the fabric's means (in process: all
         at once). Arguments seen before skip decoding (`SoftDevice.remember`)."""
         args, dev = self.args, self.dev
-        self.quiet = False  # its failure came from a peer, which has told the others
-        self.met = False
-        way: Collective | None = None
         known = dev.decoded.get(args[:9])  # decoded before: a loop of the same collective
         if known is None:
             self.comm = self.prefix = self.fp = self.path = self.way = None
@@ -53,23 +55,24 @@ class CollectiveCall(SoftCall):
                     self.use_streams(1, True)
                 check_compression(args)
                 return
-            comm = dev.comm(args.comm)
+            comm, way = dev.comm(args.comm), None
         else:
             comm, self.path, self.fp, way = known
-        self.comm = comm
-        self.seq = seq = dev.inbox.admit(comm.key)
+        self.comm, inbox = comm, dev.inbox
+        seqs = inbox.coll_seq  # (`Inbox.admit`, inline)
+        self.seq = seq = seqs.get(comm.key, 0)
+        seqs[comm.key] = seq + 1
         self.prefix = prefix = ("coll", comm.key, seq)
         if way is None:  # (not remembered: the port says, for this call)
             way = dev.port.collective(self)
         self.way = way
-        fp = self._decode(comm, way) if known is None else known[2]
-        failure = dev.inbox.join(prefix, dev.session, fp, self._peer_failed)
-        if way is not None:
-            differs = way.join(self)
-            if failure is None and differs is not None:
-                failure = (*differs, False)
-        if failure is not None:
-            code, why, notified = failure
+        if known is None:
+            self._decode(comm, way)
+        failure = inbox.join(prefix, dev.session, self.fp,  # type: ignore[arg-type]  # (decoded)
+                             self._peer_failed)
+        differs = None if way is None else way.join(self)
+        if failure is not None or differs is not None:
+            code, why, notified = failure or (*differs, False)  # type: ignore[misc]
             self.quiet = notified
             if not code:  # a peer's call was aborted, or it rejected its call
                 self.failure_error = Aborted(why)
@@ -81,11 +84,11 @@ class CollectiveCall(SoftCall):
                                  or args.scenario not in ROOTED)
             check_compression(args)
             if not args.stream_flags:  # the same arguments decode alike
-                assert self.path is not None
-                dev.remember(args, (comm, self.path, fp,
+                assert self.path is not None and self.fp is not None
+                dev.remember(args, (comm, self.path, self.fp,
                                     way if way is not None and way.shared else None))
 
-    def _decode(self, comm: Comm, way: Collective | None) -> Fingerprint:
+    def _decode(self, comm: Comm, way: Collective | None) -> None:
         """The call's datapath and fingerprint, from its arguments (the first call
         with them). One that can never run takes its turn at once all the same."""
         args = self.args
@@ -98,19 +101,16 @@ class CollectiveCall(SoftCall):
                 way.reject(self, failed)
             raise
         scenario = args.scenario
-        self.fp = fp = (int(scenario), None if scenario == Scenario.BARRIER else args.count,
-                        path.dtype.str, path.wire.str,
-                        args.root_src_dst if scenario in ROOTED else None,
-                        args.function if scenario in REDUCING else None, comm.size)
-        return fp
+        self.fp = (int(scenario), None if scenario == Scenario.BARRIER else args.count,
+                   path.dtype.str, path.wire.str, args.root_src_dst if scenario in ROOTED
+                   else None, args.function if scenario in REDUCING else None, comm.size)
 
     def start(self) -> None:
         way = self.way
         if way is None or self.state is not State.SUBMITTED or self.failure:
             super().start()
             return
-        self.state = State.RUNNING
-        self.started = time.perf_counter_ns()
+        self.state, self.started = State.RUNNING, _now()
         if not way.start(self):  # type: ignore[arg-type]  # (a ScheduleCall)
             self.body = self.run()
             self.resume(None)

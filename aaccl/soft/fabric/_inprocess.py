@@ -39,22 +39,14 @@ class InProcessFabric:
     def __init__(self, size: int) -> None:
         self.engine = Engine(f"inprocess-{size}")
         self.inboxes = [Inbox() for _ in range(size)]
-        self.meetings: dict[Hashable, Meeting] = {}
         self.alarm = Alarm(self.engine, self._expire)  # the deadlines of the meetings
         self.activities: dict[int, Callable[[Hashable | None], str]] = {}  # session -> what it does now
-        # collectives some ranks have joined: the first one's call, and how many came
-        # (every rank counts once, its call valid or not: the entry ends with the last)
-        self.roll: dict[Hashable, tuple[tuple[int, Fingerprint] | None, int]] = {}
+        # the collectives some ranks have joined (the roll call), by prefix: each one's
+        # meeting, which leaves the roll with the last rank to join
+        self.roll: dict[Hashable, Meeting] = {}
 
     def port(self, session: int) -> InProcessPort:
         return InProcessPort(self, session)
-
-    def meeting(self, key: Hashable, size: int) -> Meeting:
-        """The meeting of the collective `key` (gone once each rank came or left)."""
-        meeting = self.meetings.get(key)
-        if meeting is None:
-            meeting = self.meetings[key] = Meeting(size, self, key)
-        return meeting
 
     @staticmethod
     def _expire(meetings: list[Meeting]) -> None:
@@ -80,47 +72,45 @@ class _Handover(Wait):
 
 
 class Meeting:
-    """Where the ranks of one small allreduce meet in shared memory: the last to
-    arrive computes everyone's result at once (O(N) work for N ranks, instead of
-    N log N messages) and ends every rank's call, on the spot.
+    """One collective as its ranks' calls report to the roll call, in process: the
+    first valid call's fingerprint (every later one is compared with it at once),
+    and how many ranks joined, each once, its call valid or not (`seen`): the entry
+    leaves the fabric's roll with the last, and lives on in the calls that hold it.
+
+    The ranks of a small allreduce also meet here, in shared memory (`_Meet`): the
+    last to arrive computes everyone's result at once (O(N) work for N ranks,
+    instead of N log N messages) and ends every rank's call, on the spot.
 
     One deadline serves the meeting: parked in the fabric's alarm when the first
     rank sits down to wait (with that rank's timeout), it fails every call still
-    waiting then, naming the ranks that never came. It is forgotten once every rank came or gave up, or once
-    a rank gave up and nobody waits in it any more (a rank that rejected its call
-    never comes): a rank still to come then meets in a fresh one, which can never
-    complete either, so its call fails at its deadline (or on a peer's notice)."""
+    waiting then, naming the ranks that never came. Once a rank gave up (`leave`),
+    nobody computes: the calls still to come sit down to wait all the same, and fail
+    at their deadline or on the notice of the rank that gave up."""
 
-    __slots__ = ("size", "arrived", "waiting", "seen", "abandoned", "_fabric", "_key")
+    __slots__ = ("size", "seen", "first", "fp", "arrived", "waiting", "abandoned", "_fabric")
 
-    def __init__(self, size: int, fabric: InProcessFabric, key: Hashable) -> None:
-        self.size, self._fabric, self._key = size, fabric, key
+    def __init__(self, size: int, fabric: InProcessFabric, first: int,
+                 fp: Fingerprint | None) -> None:
+        self.size, self._fabric = size, fabric
+        self.seen = 0
+        self.first, self.fp = first, fp  # the first valid call's rank (session) and fingerprint
         self.arrived: dict[int, tuple[np.ndarray, np.ndarray, Datapath]] = {}
         self.waiting: dict[int, ScheduleCall] = {}  # ranks seated, waiting for the rest
-        self.seen = 0
         self.abandoned = False
-
-    def _forget(self) -> None:
-        meetings = self._fabric.meetings
-        if meetings.get(self._key) is self:
-            del meetings[self._key]
 
     def _compute(self, last: ScheduleCall) -> None:
         """Every rank's fingerprint equals the first's (the roll call): same count and
         dtype. Fold, then end every call."""
-        arrived = self.arrived
         retcode = 0
         try:
             total = self.fold()
-            for _, d, _ in arrived.values():
+            for _, d, _ in self.arrived.values():
                 d[...] = total
         except Exception:  # a bug in the model fails this collective, and nothing else
             log.exception("soft CCLO: internal error in allreduce (its ranks meeting in process)")
             retcode = int(ErrorCode.DMA_INTERNAL_ERROR)
         self._fabric.alarm.parked.pop(self, None)
-        waiting, self.waiting = self.waiting, {}
-        for call in waiting.values():
-            call.waiting = None
+        for call in self.waiting.values():  # (`finish` drops its seat: nothing comes back here)
             call.finish(retcode)
         last.finish(retcode)
 
@@ -151,17 +141,12 @@ class Meeting:
         for call, detail in expiring:
             call.expire(detail)
 
-    def leave(self, rank: int, arrived: bool) -> None:
+    def leave(self, rank: int) -> None:
         """A rank gave up (its call failed, or never ran): the others cannot finish."""
         self.abandoned = True
         self.arrived.pop(rank, None)
         self.waiting.pop(rank, None)
-        if not arrived:
-            self.seen += 1
-            if self.seen == self.size:
-                self._forget()
-        if not self.arrived:  # nobody waits here any more
-            self._forget()
+        if not self.waiting:  # nobody waits here any more
             self._fabric.alarm.parked.pop(self, None)
 
 
@@ -175,7 +160,7 @@ class _Seat(Wait):
     rank: int
 
     def expire(self) -> bool:
-        self.meeting.leave(self.rank, arrived=True)
+        self.meeting.leave(self.rank)
         return True
 
     def missing(self) -> list[int]:
@@ -194,22 +179,30 @@ class _RollCall(Collective):
 
     port: InProcessPort
     shared = True  # one per port (`_Meet` too): what a call did there is the call's
+    meets = False  # its calls meet in the entry (`_Meet`), which they hold until they come
 
     def join(self, call: CollectiveCall) -> tuple[int, str] | None:
         """The mismatch with the first rank that joined, if their calls differ."""
-        assert call.comm is not None and call.fp is not None
-        roll, key, session, fp = self.port.fabric.roll, call.prefix, call.dev.session, call.fp
-        first, seen = roll.get(key, (None, 0))
-        if seen + 1 >= call.comm.size:
-            roll.pop(key, None)
-        else:
-            roll[key] = (first or (session, fp), seen + 1)
-        if first is None or first[1] == fp:
+        assert call.comm is not None
+        fabric, prefix, fp = self.port.fabric, call.prefix, call.fp
+        meeting = fabric.roll.get(prefix)
+        if meeting is None:  # the first to join
+            meeting = fabric.roll[prefix] = Meeting(call.comm.size, fabric, call.dev.session, fp)
+        meeting.seen += 1
+        if meeting.seen == meeting.size:  # the last to join: nobody looks it up again
+            del fabric.roll[prefix]
+        call.meeting = meeting if self.meets else None
+        if meeting.fp == fp:
             return None
-        return mismatch(fp, first[1], session, first[0])
+        if meeting.fp is None:  # the ranks before us rejected their calls: we are the first
+            meeting.first, meeting.fp = call.dev.session, fp
+            return None
+        assert fp is not None
+        return mismatch(fp, meeting.fp, call.dev.session, meeting.first)
 
     def reject(self, call: CollectiveCall, failed: CallFailed) -> None:
-        assert call.comm is not None
+        assert call.comm is not None and call.prefix is not None
+        call.meeting = None
         self.port.absent(call.prefix, call.comm.size)
 
 
@@ -217,36 +210,34 @@ class _Meet(_RollCall):
     """A small allreduce meets its peers in shared memory (`Meeting`): the last to
     come computes everyone's result and ends their calls, and no message is sent.
     The roll call has compared the calls already: the meeting compares nothing.
-    One per port, for all its calls: what a call did there is the call's (`call.met`)."""
+    One per port, for all its calls: a call holds its meeting from the roll call
+    (`call.meeting`) until it comes or gives its place up."""
 
     __slots__ = ()
 
+    meets = True
+
     def start(self, call: ScheduleCall) -> bool:
-        args, dev, comm, prefix = call.args, call.dev, call.comm, call.prefix
-        assert comm is not None and prefix is not None and call.path is not None
-        dtype, count = call.path.dtype, args.count
-        views = dev.views  # (looked up here: a loop of small calls finds them kept)
-        src = views.get((args.addr_0, dtype, count))
-        if src is None:
-            src = dev.array(args.addr_0, dtype, count)
-        dst = views.get((args.addr_2, dtype, count))
-        if dst is None:
-            dst = dev.array(args.addr_2, dtype, count)
-        fabric = self.port.fabric
-        meeting = fabric.meetings.get(prefix)  # (`InProcessFabric.meeting`, inline)
-        if meeting is None:
-            meeting = fabric.meetings[prefix] = Meeting(comm.size, fabric, prefix)
-        call.met = True
+        meeting, call.meeting = call.meeting, None  # (it comes: nothing to give up later)
+        args, dev, comm, path = call.args, call.dev, call.comm, call.path
+        assert comm is not None and path is not None and meeting is not None
+        rank = comm.rank
+        key = (args.addr_0, args.addr_2, path, args.count)
+        ours = dev.views.get(key)  # (src, dst, path), kept as views of memory are
+        if ours is None:
+            try:
+                ours = dev.views[key] = (dev.array(args.addr_0, path.dtype, args.count),
+                                         dev.array(args.addr_2, path.dtype, args.count), path)
+            except CallFailed as failed:  # an address the CCLO cannot decode
+                meeting.leave(rank)
+                call.finish(failed.code, failed.detail)
+                return True
         # Take part: the last to arrive computes and ends every call; the others wait,
         # seated. If a rank gave up, nobody computes: the calls fail at the deadline (or
         # on the notice of the rank that gave up).
-        rank = comm.rank
-        meeting.seen += 1
-        if meeting.seen == meeting.size:  # every rank came or gave up: not looked up again
-            meeting._forget()
         if not meeting.abandoned:
             arrived = meeting.arrived
-            arrived[rank] = (src, dst, call.path)
+            arrived[rank] = ours
             if len(arrived) == meeting.size:
                 meeting._compute(call)
                 return True
@@ -255,7 +246,7 @@ class _Meet(_RollCall):
         seat.meeting, seat.rank = meeting, rank
         meeting.waiting[rank] = call
         call.waiting = seat
-        alarm = fabric.alarm
+        alarm = self.port.fabric.alarm
         if meeting not in alarm.parked:
             alarm.park(meeting, dev.timeout)
         if dev.gone:  # waits for a rank that left the world?
@@ -266,10 +257,11 @@ class _Meet(_RollCall):
         return True
 
     def abandon(self, call: CollectiveCall) -> None:
-        if not call.met:  # the others must not wait for us
-            call.met = True
+        meeting = call.meeting
+        if meeting is not None:  # the others must not wait for us
             assert call.comm is not None
-            self.port.fabric.meeting(call.prefix, call.comm.size).leave(call.comm.rank, False)
+            call.meeting = None
+            meeting.leave(call.comm.rank)
 
 
 class InProcessPort(Port):
@@ -297,11 +289,12 @@ class InProcessPort(Port):
         """This rank's call of collective `key` (of `size` ranks) will not run (the
         host rejected it, or it is invalid): it counts in the roll all the same."""
         roll = self.fabric.roll
-        first, seen = roll.get(key, (None, 0))
-        if seen + 1 >= size:
-            roll.pop(key, None)
-        else:
-            roll[key] = (first, seen + 1)
+        meeting = roll.get(key)
+        if meeting is None:
+            meeting = roll[key] = Meeting(size, self.fabric, -1, None)
+        meeting.seen += 1
+        if meeting.seen == meeting.size:
+            del roll[key]
 
     def collective(self, call: CollectiveCall) -> Collective | None:
         """Every collective of more than one rank reports to the roll call; a small
