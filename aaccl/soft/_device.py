@@ -258,16 +258,15 @@ class SoftDevice(Device):
     # -- calls ------------------------------------------------------------------------
 
     def start(self, args: CallArgs, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
-        if self.closed:
-            refused = DeviceCall(args)
-            refused.complete(error=DeviceError("the soft CCLO is closed"))
-            return refused
-        if args.scenario == Scenario.NOP and not waitfor and not self.in_order:
-            # nothing to wait for: done on the spot
+        if self.closed or args.scenario == Scenario.NOP and not waitfor and not self.in_order:
+            if self.closed:
+                refused = DeviceCall(args)
+                refused.complete(error=DeviceError("the soft CCLO is closed"))
+                return refused
+            # a nop with nothing to wait for: done on the spot
             self.exchmem[RETCODE_WORD] = 0
             return DeviceCall(args, done=True)
-        kind = KINDS.get(args.scenario)
-        call = make_call(self, args) if kind is None else kind(self, args)
+        call = KINDS.get(args.scenario, make_call)(self, args)
         self.engine.post(call.admit, tuple(waitfor))
         return call
 

@@ -55,22 +55,19 @@ class CollectiveCall(SoftCall):
                     self.use_streams(1, True)
                 check_compression(args)
                 return
-            comm, way = dev.comm(args.comm), None
+            comm = dev.comm(args.comm)
         else:
-            comm, self.path, self.fp, way = known
-        self.comm, inbox = comm, dev.inbox
-        seqs = inbox.coll_seq  # (`Inbox.admit`, inline)
-        self.seq = seq = seqs.get(comm.key, 0)
-        seqs[comm.key] = seq + 1
+            comm, self.path, self.fp, self.way = known
+        self.comm = comm
+        self.seq = seq = dev.inbox.coll_seq.get(comm.key, 0)  # (`Inbox.admit`, inline)
+        dev.inbox.coll_seq[comm.key] = seq + 1
         self.prefix = prefix = ("coll", comm.key, seq)
-        if way is None:  # (not remembered: the port says, for this call)
-            way = dev.port.collective(self)
-        self.way = way
+        if self.way is None:  # (not remembered: the port says, for this call)
+            self.way = dev.port.collective(self)
         if known is None:
-            self._decode(comm, way)
-        failure = inbox.join(prefix, dev.session, self.fp,  # type: ignore[arg-type]  # (decoded)
-                             self._peer_failed)
-        differs = None if way is None else way.join(self)
+            self._decode(comm, self.way)
+        failure = dev.inbox.join(prefix, dev.session, self.fp, self._peer_failed)
+        differs = None if self.way is None else self.way.join(self)
         if failure is not None or differs is not None:
             code, why, notified = failure or (*differs, False)  # type: ignore[misc]
             self.quiet = notified
@@ -85,6 +82,7 @@ class CollectiveCall(SoftCall):
             check_compression(args)
             if not args.stream_flags:  # the same arguments decode alike
                 assert self.path is not None and self.fp is not None
+                way = self.way
                 dev.remember(args, (comm, self.path, self.fp,
                                     way if way is not None and way.shared else None))
 

@@ -156,12 +156,18 @@ class SoftCall(DeviceCall):
                 waitfor = (*waitfor, turn)
         if dev.in_order:  # it takes its place now, ready or not, as on the firmware
             dev.queue.append(self)
-            if not waitfor:
+            if waitfor:
+                self._wait_for(waitfor)
+            else:
                 dev.ready(self)
-                return
-        elif not waitfor:  # (ready, in line: the common case costs no call)
+        elif waitfor:
+            self._wait_for(waitfor)
+        else:  # (ready, in line: the common case costs no call)
             self.start()
-            return
+
+    def _wait_for(self, waitfor: tuple[DeviceCall, ...]) -> None:
+        """Run once the calls of `waitfor` are done (never, if one of them failed)."""
+        dev = self.dev
         pending = [dep for dep in waitfor if not dep.done()]
         if any(dep.failed for dep in waitfor if dep.done()):
             self.abort()
@@ -388,8 +394,7 @@ class SoftCall(DeviceCall):
         One that ended well, out of order, ends here in one frame: most calls do."""
         self.state, self.body, self.waiting = State.DONE, None, None
         dev = self.dev
-        if self.prefix is not None:  # a collective's record in the inbox (`Inbox.leave`)
-            dev.inbox.members.pop(self.prefix, None)
+        dev.inbox.members.pop(self.prefix, None)  # type: ignore[arg-type]  # (`Inbox.leave`)
         if retcode or self.failure or self.aborting is not None or dev.in_order:
             self.end(retcode, detail)
             return

@@ -55,7 +55,7 @@ def mismatch(fp: Fingerprint, other: Fingerprint, ours: int, theirs: int) -> Fai
     return code, f"rank {a} called {describe(x)}; rank {b} called {describe(y)}"
 
 
-_Member = tuple[int, Fingerprint, Callable[[int, str, bool], None]]
+_Member = tuple[int, Fingerprint | None, Callable[[int, str, bool], None]]
 """(session, fingerprint, fail): this CCLO's call of a collective, as registered for
 checks and notices (a tuple: no constructor to call per collective)."""
 
@@ -350,7 +350,7 @@ class Inbox:
         """Our call of collective `prefix` was admitted and is no longer running."""
         return prefix[2] < self.coll_seq.get(prefix[1], 0) and prefix not in self.members
 
-    def join(self, prefix: Key, session: int, fp: Fingerprint,
+    def join(self, prefix: Key, session: int, fp: Fingerprint | None,
              fail: Callable[[int, str, bool], None]) -> tuple[int, str, bool] | None:
         """Our call of collective `prefix` is admitted: check it against what peers
         sent for it already (and whether one of them failed it); later arrivals are
@@ -362,6 +362,7 @@ class Inbox:
                 self._give_up(prefix)
                 return (*failed, True)
             if seen is not None and seen[1] != fp:
+                assert fp is not None  # (a call that joins has one)
                 self._give_up(prefix)
                 return (*mismatch(fp, seen[1], session, seen[0]), False)
         self.members[prefix] = (session, fp, fail)
@@ -380,6 +381,7 @@ class Inbox:
                 self._seen[prefix] = (msg.src, msg.fp)
         elif msg.fp is not None and msg.fp != member[1]:
             session, fp, fail = member
+            assert fp is not None
             code, why = mismatch(fp, msg.fp, session, msg.src)
             fail(code, why, False)
 

@@ -84,19 +84,23 @@ class Meeting:
     One deadline serves the meeting: parked in the fabric's alarm when the first
     rank sits down to wait (with that rank's timeout), it fails every call still
     waiting then, naming the ranks that never came. Once a rank gave up (`leave`),
-    nobody computes: the calls still to come sit down to wait all the same, and fail
-    at their deadline or on the notice of the rank that gave up."""
+    nobody computes (it never arrives): the calls still to come sit down to wait all
+    the same, and fail at their deadline or on the notice of the rank that gave up."""
 
-    __slots__ = ("size", "seen", "first", "fp", "arrived", "waiting", "abandoned", "_fabric")
+    __slots__ = ("size", "seen", "first", "fp", "arrived", "waiting", "_fabric")
+
+    size: int
+    seen: int
+    first: int  # the first valid call's rank (session) ...
+    fp: Fingerprint | None  # ... and fingerprint (None: no valid call joined yet)
+    arrived: dict[int, tuple[np.ndarray, np.ndarray, Datapath]]  # by communicator rank
+    waiting: dict[int, ScheduleCall]  # ranks seated, waiting for the rest
 
     def __init__(self, size: int, fabric: InProcessFabric, first: int,
                  fp: Fingerprint | None) -> None:
-        self.size, self._fabric = size, fabric
-        self.seen = 0
-        self.first, self.fp = first, fp  # the first valid call's rank (session) and fingerprint
-        self.arrived: dict[int, tuple[np.ndarray, np.ndarray, Datapath]] = {}
-        self.waiting: dict[int, ScheduleCall] = {}  # ranks seated, waiting for the rest
-        self.abandoned = False
+        self.size, self._fabric, self.seen = size, fabric, 0
+        self.first, self.fp = first, fp
+        self.arrived, self.waiting = {}, {}
 
     def _compute(self, last: ScheduleCall) -> None:
         """Every rank's fingerprint equals the first's (the roll call): same count and
@@ -142,8 +146,8 @@ class Meeting:
             call.expire(detail)
 
     def leave(self, rank: int) -> None:
-        """A rank gave up (its call failed, or never ran): the others cannot finish."""
-        self.abandoned = True
+        """A rank gave up (its call failed, or never ran): the others cannot finish
+        (it never arrives, so nobody computes)."""
         self.arrived.pop(rank, None)
         self.waiting.pop(rank, None)
         if not self.waiting:  # nobody waits here any more
@@ -183,22 +187,31 @@ class _RollCall(Collective):
 
     def join(self, call: CollectiveCall) -> tuple[int, str] | None:
         """The mismatch with the first rank that joined, if their calls differ."""
-        assert call.comm is not None
-        fabric, prefix, fp = self.port.fabric, call.prefix, call.fp
-        meeting = fabric.roll.get(prefix)
-        if meeting is None:  # the first to join
-            meeting = fabric.roll[prefix] = Meeting(call.comm.size, fabric, call.dev.session, fp)
+        roll, prefix, fp = self.port.fabric.roll, call.prefix, call.fp
+        meeting = roll.get(prefix) or self._first(call)
         meeting.seen += 1
         if meeting.seen == meeting.size:  # the last to join: nobody looks it up again
-            del fabric.roll[prefix]
+            del roll[prefix]
         call.meeting = meeting if self.meets else None
-        if meeting.fp == fp:
+        return None if meeting.fp == fp else self._differs(call, meeting)
+
+    def _first(self, call: CollectiveCall) -> Meeting:
+        """The first rank joins: the collective's entry in the roll."""
+        fabric = self.port.fabric
+        assert call.comm is not None
+        meeting = fabric.roll[call.prefix] = Meeting(call.comm.size, fabric, call.dev.session,
+                                                     call.fp)
+        return meeting
+
+    @staticmethod
+    def _differs(call: CollectiveCall, meeting: Meeting) -> tuple[int, str] | None:
+        """Our call's fingerprint is not the first's: the mismatch, unless the ranks
+        before us all rejected their calls (we are the first valid one, then)."""
+        assert call.fp is not None
+        if meeting.fp is None:
+            meeting.first, meeting.fp = call.dev.session, call.fp
             return None
-        if meeting.fp is None:  # the ranks before us rejected their calls: we are the first
-            meeting.first, meeting.fp = call.dev.session, fp
-            return None
-        assert fp is not None
-        return mismatch(fp, meeting.fp, call.dev.session, meeting.first)
+        return mismatch(call.fp, meeting.fp, call.dev.session, meeting.first)
 
     def reject(self, call: CollectiveCall, failed: CallFailed) -> None:
         assert call.comm is not None and call.prefix is not None
@@ -219,42 +232,51 @@ class _Meet(_RollCall):
 
     def start(self, call: ScheduleCall) -> bool:
         meeting, call.meeting = call.meeting, None  # (it comes: nothing to give up later)
-        args, dev, comm, path = call.args, call.dev, call.comm, call.path
-        assert comm is not None and path is not None and meeting is not None
-        rank = comm.rank
-        key = (args.addr_0, args.addr_2, path, args.count)
-        ours = dev.views.get(key)  # (src, dst, path), kept as views of memory are
+        args, dev, path = call.args, call.dev, call.path
+        rank = call.comm.rank  # type: ignore[union-attr]  # (a collective's)
+        ours = dev.views.get((args.addr_0, args.addr_2, path, args.count))  # (src, dst, path)
         if ours is None:
-            try:
-                ours = dev.views[key] = (dev.array(args.addr_0, path.dtype, args.count),
-                                         dev.array(args.addr_2, path.dtype, args.count), path)
-            except CallFailed as failed:  # an address the CCLO cannot decode
-                meeting.leave(rank)
-                call.finish(failed.code, failed.detail)
-                return True
+            ours = self._views(call, meeting)
+            if ours is None:
+                return True  # (failed)
         # Take part: the last to arrive computes and ends every call; the others wait,
         # seated. If a rank gave up, nobody computes: the calls fail at the deadline (or
         # on the notice of the rank that gave up).
-        if not meeting.abandoned:
-            arrived = meeting.arrived
-            arrived[rank] = ours
-            if len(arrived) == meeting.size:
-                meeting._compute(call)
-                return True
+        meeting.arrived[rank] = ours
+        if len(meeting.arrived) == meeting.size:
+            meeting._compute(call)
+            return True
         seat = _new(_Seat)  # (no __init__: one call less per waiting rank)
         seat.done, seat.value, seat.waiter, seat.timeout_code = False, None, None, RECEIVE_TIMEOUT
-        seat.meeting, seat.rank = meeting, rank
+        seat.meeting, seat.rank, call.waiting = meeting, rank, seat
         meeting.waiting[rank] = call
-        call.waiting = seat
-        alarm = self.port.fabric.alarm
-        if meeting not in alarm.parked:
-            alarm.park(meeting, dev.timeout)
+        if len(meeting.waiting) == 1:  # the first to sit down sets the meeting's deadline
+            self.port.fabric.alarm.park(meeting, dev.timeout)
         if dev.gone:  # waits for a rank that left the world?
-            gone = [comm.sessions[r] for r in seat.missing() if comm.sessions[r] in dev.gone]
+            sessions = call.comm.sessions  # type: ignore[union-attr]
+            gone = [sessions[r] for r in seat.missing() if sessions[r] in dev.gone]
             if gone:
                 call.aborting = Aborted(f"rank {gone[0]} left the world: {dev.gone[gone[0]]}")
                 call.interrupt(CallFailed(RECEIVE_TIMEOUT))
         return True
+
+    @staticmethod
+    def _views(call: ScheduleCall, meeting: Meeting
+               ) -> tuple[np.ndarray, np.ndarray, Datapath] | None:
+        """The call's operand and result in device memory, with its datapath, kept in
+        its CCLO's views; None if the CCLO cannot decode an address: the call then
+        failed (and left its meeting)."""
+        args, dev, path = call.args, call.dev, call.path
+        assert path is not None and call.comm is not None
+        try:
+            ours = dev.views[(args.addr_0, args.addr_2, path, args.count)] = (
+                dev.array(args.addr_0, path.dtype, args.count),
+                dev.array(args.addr_2, path.dtype, args.count), path)
+        except CallFailed as failed:
+            meeting.leave(call.comm.rank)
+            call.finish(failed.code, failed.detail)
+            return None
+        return ours
 
     def abandon(self, call: CollectiveCall) -> None:
         meeting = call.meeting
