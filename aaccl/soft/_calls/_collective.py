@@ -64,8 +64,8 @@ class CollectiveCall(SoftCall):
         self.prefix = prefix = ("coll", comm.key, seq)
         if self.way is None:  # (not remembered: the port says, for this call)
             self.way = dev.port.collective(self)
-        if known is None:
-            self._decode(comm, self.way)
+            if known is None:
+                self._decode(comm, self.way)
         failure = dev.inbox.join(prefix, dev.session, self.fp, self._peer_failed)
         differs = None if self.way is None else self.way.join(self)
         if failure is not None or differs is not None:
@@ -75,20 +75,12 @@ class CollectiveCall(SoftCall):
                 self.failure_error = Aborted(why)
                 code = MISMATCH  # (the call ends with `failure_error`)
             raise CallFailed(code, why)
-        if known is None:
-            if args.stream_flags:
-                self.use_streams(comm.size, args.root_src_dst == comm.rank
-                                 or args.scenario not in ROOTED)
-            check_compression(args)
-            if not args.stream_flags:  # the same arguments decode alike
-                assert self.path is not None and self.fp is not None
-                way = self.way
-                dev.remember(args, (comm, self.path, self.fp,
-                                    way if way is not None and way.shared else None))
 
     def _decode(self, comm: Comm, way: Collective | None) -> None:
-        """The call's datapath and fingerprint, from its arguments (the first call
-        with them). One that can never run takes its turn at once all the same."""
+        """The first call with these arguments: its datapath and fingerprint, and the
+        checks that the calls with them after it skip (`SoftDevice.remember`). One
+        that can never run takes its turn at once all the same; one that fails those
+        checks fails once it has joined its peers (who check their calls against it)."""
         args = self.args
         try:
             if args.scenario in ROOTED and args.root_src_dst >= comm.size:
@@ -99,9 +91,20 @@ class CollectiveCall(SoftCall):
                 way.reject(self, failed)
             raise
         scenario = args.scenario
-        self.fp = (int(scenario), None if scenario == Scenario.BARRIER else args.count,
-                   path.dtype.str, path.wire.str, args.root_src_dst if scenario in ROOTED
-                   else None, args.function if scenario in REDUCING else None, comm.size)
+        self.fp = fp = (int(scenario), None if scenario == Scenario.BARRIER else args.count,
+                        path.dtype.str, path.wire.str, args.root_src_dst if scenario in ROOTED
+                        else None, args.function if scenario in REDUCING else None, comm.size)
+        try:
+            if args.stream_flags:
+                self.use_streams(comm.size, args.root_src_dst == comm.rank
+                                 or args.scenario not in ROOTED)
+            check_compression(args)
+        except CallFailed as failed:  # (as `admit` keeps a raised one)
+            self.failure, self.failure_detail = failed.code, failed.detail
+            return
+        if not args.stream_flags:  # the same arguments decode alike
+            self.dev.remember(args, (comm, path, fp, way if way is not None and way.shared
+                                     else None))
 
     def start(self) -> None:
         way = self.way

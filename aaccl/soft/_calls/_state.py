@@ -150,24 +150,25 @@ class SoftCall(DeviceCall):
             self.prepare()
         except CallFailed as failed:
             self.failure, self.failure_detail = failed.code, failed.detail
-        if self.op0_stream or self.res_stream:
-            turn = dev.streams.turn(self)
-            if turn is not None:
-                waitfor = (*waitfor, turn)
         if dev.in_order:  # it takes its place now, ready or not, as on the firmware
             dev.queue.append(self)
-            if waitfor:
+            if waitfor or self.op0_stream or self.res_stream:
                 self._wait_for(waitfor)
             else:
                 dev.ready(self)
-        elif waitfor:
+        elif waitfor or self.op0_stream or self.res_stream:
             self._wait_for(waitfor)
         else:  # (ready, in line: the common case costs no call)
             self.start()
 
     def _wait_for(self, waitfor: tuple[DeviceCall, ...]) -> None:
-        """Run once the calls of `waitfor` are done (never, if one of them failed)."""
+        """Run once the calls of `waitfor` are done (never, if one of them failed),
+        and a call on the kernel streams once the one before it on them ended."""
         dev = self.dev
+        if self.op0_stream or self.res_stream:
+            turn = dev.streams.turn(self)
+            if turn is not None:
+                waitfor = (*waitfor, turn)
         pending = [dep for dep in waitfor if not dep.done()]
         if any(dep.failed for dep in waitfor if dep.done()):
             self.abort()

@@ -187,13 +187,12 @@ class _RollCall(Collective):
 
     def join(self, call: CollectiveCall) -> tuple[int, str] | None:
         """The mismatch with the first rank that joined, if their calls differ."""
-        roll, prefix, fp = self.port.fabric.roll, call.prefix, call.fp
-        meeting = roll.get(prefix) or self._first(call)
+        meeting = self.port.fabric.roll.get(call.prefix) or self._first(call)
         meeting.seen += 1
         if meeting.seen == meeting.size:  # the last to join: nobody looks it up again
-            del roll[prefix]
+            del self.port.fabric.roll[call.prefix]
         call.meeting = meeting if self.meets else None
-        return None if meeting.fp == fp else self._differs(call, meeting)
+        return None if meeting.fp == call.fp else self._differs(call, meeting)
 
     def _first(self, call: CollectiveCall) -> Meeting:
         """The first rank joins: the collective's entry in the roll."""
