@@ -125,7 +125,8 @@ class Inbox:
         self._streams: dict[tuple[Key, int], Stream] = {}
         self._steps: dict[tuple[int, Key], Message] = {}
         self._step_waits: dict[tuple[int, Key], StepWait] = {}
-        # per communicator: the next collective's seq (`admit`; a collective's call takes it in line)
+        # per communicator: the next collective's seq (`admit`; a collective's call
+        # takes it in line)
         self.coll_seq: dict[Hashable, int] = {}
         self._gave_up: dict[Key, None] = {}  # the last GAVE_UP_KEPT collectives that failed here
         # our running collectives, by prefix (one ends: `leave`, or its pop in line)

@@ -8,7 +8,9 @@ sender's device memory, which stays put until the receiver releases it.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Hashable
+from functools import reduce
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,6 +26,7 @@ from ._message import Collective, Fingerprint, Message, MessageState, Port
 log = logging.getLogger("aaccl")
 RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
 _new = object.__new__
+_OPERAND = operator.itemgetter(0)  # (of a rank's entry in `Meeting.arrived`)
 
 if TYPE_CHECKING:
     from .._calls._collective import CollectiveCall
@@ -93,14 +96,16 @@ class Meeting:
     seen: int
     first: int  # the first valid call's rank (session) ...
     fp: Fingerprint | None  # ... and fingerprint (None: no valid call joined yet)
-    arrived: dict[int, tuple[np.ndarray, np.ndarray, Datapath]]  # by communicator rank
+    # by communicator rank: (operand, result, datapath) of those that came (the others:
+    # None); the last to come finds every other one seated (`waiting`)
+    arrived: list[tuple[np.ndarray, np.ndarray, Datapath] | None]
     waiting: dict[int, ScheduleCall]  # ranks seated, waiting for the rest
 
     def __init__(self, size: int, fabric: InProcessFabric, first: int,
                  fp: Fingerprint | None) -> None:
         self.size, self._fabric, self.seen = size, fabric, 0
         self.first, self.fp = first, fp
-        self.arrived, self.waiting = {}, {}
+        self.arrived, self.waiting = [None] * size, {}
 
     def _compute(self, last: ScheduleCall) -> None:
         """Every rank's fingerprint equals the first's (the roll call): same count and
@@ -108,7 +113,7 @@ class Meeting:
         retcode = 0
         try:
             total = self.fold()
-            for _, d, _ in self.arrived.values():
+            for _, d, _ in self.arrived:  # type: ignore[misc]  # (all came)
                 d[...] = total
         except Exception:  # a bug in the model fails this collective, and nothing else
             log.exception("soft CCLO: internal error in allreduce (its ranks meeting in process)")
@@ -122,19 +127,16 @@ class Meeting:
         """Every rank's contribution combined in rank order, as the schedules do,
         into a new array."""
         arrived = self.arrived
-        total, _, path = arrived[0]
-        if path.arith != path.dtype:
-            total = total.copy()
-            for r in range(1, self.size):
-                src, _, path = arrived[r]
-                path.combine(total, src, total)
-            return total
-        # (`Datapath.combine`'s common case, inline) a new array per step: numpy takes
-        # 3x as long for an output that is also an input (its overlap check), and
-        # these arrays are small
-        ufunc = path.ufunc
+        total, _, path = arrived[0]  # type: ignore[misc]  # (all came)
+        if path.arith == path.dtype:
+            # (`Datapath.combine`'s common case, folded by C) a new array per step: numpy
+            # takes 3x as long for an output that is also an input (its overlap check),
+            # and these arrays are small
+            return reduce(path.ufunc, map(_OPERAND, arrived))  # type: ignore[arg-type]
+        total = total.copy()
         for r in range(1, self.size):
-            total = ufunc(total, arrived[r][0])
+            src, _, path = arrived[r]  # type: ignore[misc]
+            path.combine(total, src, total)
         return total
 
     def expire(self) -> None:
@@ -148,7 +150,7 @@ class Meeting:
     def leave(self, rank: int) -> None:
         """A rank gave up (its call failed, or never ran): the others cannot finish
         (it never arrives, so nobody computes)."""
-        self.arrived.pop(rank, None)
+        self.arrived[rank] = None
         self.waiting.pop(rank, None)
         if not self.waiting:  # nobody waits here any more
             self._fabric.alarm.parked.pop(self, None)
@@ -169,7 +171,7 @@ class _Seat(Wait):
 
     def missing(self) -> list[int]:
         """The communicator ranks that have not arrived."""
-        return [r for r in range(self.meeting.size) if r not in self.meeting.arrived]
+        return [r for r, came in enumerate(self.meeting.arrived) if came is None]
 
 
 class _RollCall(Collective):
@@ -242,7 +244,7 @@ class _Meet(_RollCall):
         # seated. If a rank gave up, nobody computes: the calls fail at the deadline (or
         # on the notice of the rank that gave up).
         meeting.arrived[rank] = ours
-        if len(meeting.arrived) == meeting.size:
+        if len(meeting.waiting) == meeting.size - 1:  # every other rank came: the last
             meeting._compute(call)
             return True
         seat = _new(_Seat)  # (no __init__: one call less per waiting rank)
