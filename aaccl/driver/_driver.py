@@ -136,6 +136,8 @@ class Driver:
         self._world = xm.Communicator(local_rank, tuple(ranks))
         self.communicators: list[tuple[int, xm.Communicator]] = []
         self._arith: dict[tuple[np.dtype, np.dtype], int] = {}
+        # (dtype, compress_dtype, operand_dtypes) -> (arithcfg, compression flags): `_encode`
+        self._codes: dict[tuple[Any, Any, Any], tuple[int, int]] = {}
         self._allocations: list[int] = []
         self._next_free = xm.RX_RECORDS
         # exchange memory and `communicators` grow from any thread (pyaccl's threads
@@ -156,6 +158,7 @@ class Driver:
         self._setup_rx_buffers()
         self._setup_spares()
         self._write_communicator(self._world)
+        self._codes.clear()  # (the configs' addresses are written anew)
         for key, cfg in self.arith_configs.items():
             self._arith[key] = self._write_record(cfg.words())
         self._write_words(xm.GATHER_FLAT_TREE_MAX_FANIN, [2, 32 * 1024, 3, 4, min(self.max_rendezvous_size // 4, 32 * 1024)])
@@ -262,19 +265,10 @@ class Driver:
         get wrong runs as equivalent calls instead, one device call for them all
         (`_firmware.substitute`); one nothing can stand in for raises ValueError.
         """
-        if dtype is not None:
-            if operand_dtypes is not None:
-                raise TypeError("pass dtype or operand_dtypes, not both")
-            operand_dtypes = (dtype, None, None)
-        if operand_dtypes is None:
-            arithcfg, flags = 0, CompressionFlags.NO_COMPRESSION
-        elif compress_dtype is None and dtype is not None:  # the common case, kept short
-            arithcfg = self._arith.get((dtype, dtype)) or self._config(dtype, dtype)
-            flags = CompressionFlags.NO_COMPRESSION
-        else:
-            arithcfg, flags = self._operand_compression(operand_dtypes, compress_dtype)
+        arithcfg, flags = self._codes.get((dtype, compress_dtype, operand_dtypes)) \
+            or self._encode(dtype, compress_dtype, operand_dtypes)
         args = _call_args((int(scenario), count, self.communicators[comm_id][0], root_src_dst,
-                           function, tag, arithcfg, int(flags), stream_flags, *addrs))
+                           function, tag, arithcfg, flags, stream_flags) + addrs)
         if not self.device.runs_accl_firmware:
             return self.device.start(args, waitfor)
         if scenario in firmware.RENDEZVOUS_ONLY and self.stack in ("tcp", "udp"):
@@ -284,6 +278,8 @@ class Driver:
                 f"ACCL's firmware cannot run {scenario.name.lower()} over a {self.stack} "
                 "stack (it needs the rendezvous protocol of an RDMA stack)"))
             return refused
+        if dtype is not None:
+            operand_dtypes = (dtype, None, None)
         itemsizes = _itemsizes(operand_dtypes) if operand_dtypes is not None else (0, 0, 0)
         comm = self.comm(comm_id)
         steps = firmware.substitute(args, len(comm.ranks), itemsizes,
@@ -292,6 +288,23 @@ class Driver:
         if steps is None:
             return self.device.start(args, waitfor)
         return self.device.start_steps(args, steps, waitfor)  # in one place of its order
+
+    def _encode(self, dtype: np.dtype | None, compress_dtype: np.dtype | None,
+                operand_dtypes: OperandDtypes | None) -> tuple[int, int]:
+        """A call's (arithmetic config address, compression flags) for these element
+        types (see `start`), kept for the next call with them: they depend on nothing
+        else, and the configs are written once, at `configure`."""
+        key = (dtype, compress_dtype, operand_dtypes)
+        if dtype is not None:
+            if operand_dtypes is not None:
+                raise TypeError("pass dtype or operand_dtypes, not both")
+            operand_dtypes = (dtype, None, None)
+        if operand_dtypes is None:
+            arithcfg, flags = 0, CompressionFlags.NO_COMPRESSION
+        else:
+            arithcfg, flags = self._operand_compression(operand_dtypes, compress_dtype)
+        code = self._codes[key] = (arithcfg, int(flags))
+        return code
 
     def _operand_compression(self, operand_dtypes: OperandDtypes,
                              compress_dtype: np.dtype | None) -> tuple[int, CompressionFlags]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +53,9 @@ class SoftDevice(Device):
         self.exchmem = np.zeros(xm.SIZE // 4, np.uint32)
         self.exchmem[xm.HWID // 4] = HWID
         self.memory = DeviceMemory()
-        self.views: dict[tuple[int, np.dtype, int], np.ndarray] = {}  # kept: see `array`
+        # views of device memory its calls made (and tuples of them), by what they are
+        # made of: kept (see `array`) until memory is freed
+        self.views: dict[Hashable, Any] = {}
         self.timeout = 1.0
         self.max_eager_size = 0
         self.max_rendezvous_size = 0
@@ -255,16 +258,15 @@ class SoftDevice(Device):
     # -- calls ------------------------------------------------------------------------
 
     def start(self, args: CallArgs, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
-        if self.closed:
-            refused = DeviceCall(args)
-            refused.complete(error=DeviceError("the soft CCLO is closed"))
-            return refused
-        if args.scenario == Scenario.NOP and not waitfor and not self.in_order:
-            # nothing to wait for: done on the spot
+        if self.closed or args.scenario == Scenario.NOP and not waitfor and not self.in_order:
+            if self.closed:
+                refused = DeviceCall(args)
+                refused.complete(error=DeviceError("the soft CCLO is closed"))
+                return refused
+            # a nop with nothing to wait for: done on the spot
             self.exchmem[RETCODE_WORD] = 0
             return DeviceCall(args, done=True)
-        kind = KINDS.get(args.scenario)
-        call = make_call(self, args) if kind is None else kind(self, args)
+        call = KINDS.get(args.scenario, make_call)(self, args)
         self.engine.post(call.admit, tuple(waitfor))
         return call
 

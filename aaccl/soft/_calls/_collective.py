@@ -8,6 +8,7 @@ one of theirs does (`_peer_failed`). How the fabric takes part in the collective
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from ..._constants import ErrorCode, Scenario
 from ..._errors import Aborted
@@ -19,11 +20,14 @@ from ._state import (COLLECTIVES, MISMATCH, REDUCING, ROOTED, SIZE_MISMATCH, Cal
                      SoftCall, State, check_compression, describe_call)
 
 
+_now = time.perf_counter_ns
+
+
 class CollectiveCall(SoftCall):
     """copy, combine and the collectives (copy and combine have no communicator:
     nothing of this concerns them)."""
 
-    __slots__ = ("comm", "seq", "prefix", "fp", "quiet", "way", "path", "met")
+    __slots__ = ("comm", "seq", "prefix", "fp", "way", "path", "meeting")
 
     # (declared here once: `prepare` sets them on a fast path and on the full one)
     comm: Comm | None
@@ -32,8 +36,9 @@ class CollectiveCall(SoftCall):
     fp: Fingerprint | None
     path: Datapath | None
     way: Collective | None  # how its fabric takes part (None: messages)
-    quiet: bool
-    met: bool  # in process: it came to its meeting, or gave its place there up
+    meeting: Any  # in process: the meeting it joined, until it came or gave its place up
+    quiet = False
+    """Its failure came from a peer, which has told the others (set where so)."""
 
     def prepare(self) -> None:
         """Take the call's place among its communicator's collectives and check it
@@ -41,9 +46,6 @@ class CollectiveCall(SoftCall):
         messages, now and as they come, and by the fabric's means (in process: all
         at once). Arguments seen before skip decoding (`SoftDevice.remember`)."""
         args, dev = self.args, self.dev
-        self.quiet = False  # its failure came from a peer, which has told the others
-        self.met = False
-        way: Collective | None = None
         known = dev.decoded.get(args[:9])  # decoded before: a loop of the same collective
         if known is None:
             self.comm = self.prefix = self.fp = self.path = self.way = None
@@ -55,39 +57,30 @@ class CollectiveCall(SoftCall):
                 return
             comm = dev.comm(args.comm)
         else:
-            comm, self.path, self.fp, way = known
+            comm, self.path, self.fp, self.way = known
         self.comm = comm
-        self.seq = seq = dev.inbox.admit(comm.key)
+        self.seq = seq = dev.inbox.coll_seq.get(comm.key, 0)  # (`Inbox.admit`, inline)
+        dev.inbox.coll_seq[comm.key] = seq + 1
         self.prefix = prefix = ("coll", comm.key, seq)
-        if way is None:  # (not remembered: the port says, for this call)
-            way = dev.port.collective(self)
-        self.way = way
-        fp = self._decode(comm, way) if known is None else known[2]
-        failure = dev.inbox.join(prefix, dev.session, fp, self._peer_failed)
-        if way is not None:
-            differs = way.join(self)
-            if failure is None and differs is not None:
-                failure = (*differs, False)
-        if failure is not None:
-            code, why, notified = failure
+        if self.way is None:  # (not remembered: the port says, for this call)
+            self.way = dev.port.collective(self)
+            if known is None:
+                self._decode(comm, self.way)
+        failure = dev.inbox.join(prefix, dev.session, self.fp, self._peer_failed)
+        differs = None if self.way is None else self.way.join(self)
+        if failure is not None or differs is not None:
+            code, why, notified = failure or (*differs, False)  # type: ignore[misc]
             self.quiet = notified
             if not code:  # a peer's call was aborted, or it rejected its call
                 self.failure_error = Aborted(why)
                 code = MISMATCH  # (the call ends with `failure_error`)
             raise CallFailed(code, why)
-        if known is None:
-            if args.stream_flags:
-                self.use_streams(comm.size, args.root_src_dst == comm.rank
-                                 or args.scenario not in ROOTED)
-            check_compression(args)
-            if not args.stream_flags:  # the same arguments decode alike
-                assert self.path is not None
-                dev.remember(args, (comm, self.path, fp,
-                                    way if way is not None and way.shared else None))
 
-    def _decode(self, comm: Comm, way: Collective | None) -> Fingerprint:
-        """The call's datapath and fingerprint, from its arguments (the first call
-        with them). One that can never run takes its turn at once all the same."""
+    def _decode(self, comm: Comm, way: Collective | None) -> None:
+        """The first call with these arguments: its datapath and fingerprint, and the
+        checks that the calls with them after it skip (`SoftDevice.remember`). One
+        that can never run takes its turn at once all the same; one that fails those
+        checks fails once it has joined its peers (who check their calls against it)."""
         args = self.args
         try:
             if args.scenario in ROOTED and args.root_src_dst >= comm.size:
@@ -99,18 +92,26 @@ class CollectiveCall(SoftCall):
             raise
         scenario = args.scenario
         self.fp = fp = (int(scenario), None if scenario == Scenario.BARRIER else args.count,
-                        path.dtype.str, path.wire.str,
-                        args.root_src_dst if scenario in ROOTED else None,
-                        args.function if scenario in REDUCING else None, comm.size)
-        return fp
+                        path.dtype.str, path.wire.str, args.root_src_dst if scenario in ROOTED
+                        else None, args.function if scenario in REDUCING else None, comm.size)
+        try:
+            if args.stream_flags:
+                self.use_streams(comm.size, args.root_src_dst == comm.rank
+                                 or args.scenario not in ROOTED)
+            check_compression(args)
+        except CallFailed as failed:  # (as `admit` keeps a raised one)
+            self.failure, self.failure_detail = failed.code, failed.detail
+            return
+        if not args.stream_flags:  # the same arguments decode alike
+            self.dev.remember(args, (comm, path, fp, way if way is not None and way.shared
+                                     else None))
 
     def start(self) -> None:
         way = self.way
         if way is None or self.state is not State.SUBMITTED or self.failure:
             super().start()
             return
-        self.state = State.RUNNING
-        self.started = time.perf_counter_ns()
+        self.state, self.started = State.RUNNING, _now()
         if not way.start(self):  # type: ignore[arg-type]  # (a ScheduleCall)
             self.body = self.run()
             self.resume(None)

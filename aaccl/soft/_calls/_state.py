@@ -107,23 +107,31 @@ class SoftCall(DeviceCall):
     returns): one object from submission to completion. Subclasses say how it is
     admitted and what it runs."""
 
-    __slots__ = ("dev", "state", "failure", "deps_left", "body", "waiting", "aborting",
-                 "failure_detail", "failure_error", "op0_stream", "res_stream")
+    __slots__ = ("dev", "state", "body", "waiting", "__dict__")
 
     args: CallArgs  # (DeviceCall's slot) a soft call is always a CCLO call, never host work
+    dev: SoftDevice
+    state: State
+    body: Body | None  # what it runs (None: nothing yet, or its fabric runs it)
+    waiting: Wait | None  # what it waits for (its deadline parked in `dev.alarm`, if any)
+
+    # What most calls never set, as class-level defaults: a call that sets one gets it
+    # in its own `__dict__` (made then), so the common call stores none of them.
+    failure = 0
+    """A retcode known early: the call fails when it would run or end."""
+    failure_detail: str | None = None
+    failure_error: Aborted | None = None
+    """The failure is an abort (a peer's)."""
+    aborting: ACCLError | None = None
+    """Set by `abort_now`: how the call ends."""
+    deps_left = 0
+    """Dependencies (`waitfor`) not done yet."""
+    op0_stream = res_stream = False
+    """Operand 0 / the result on a kernel stream."""
 
     def __init__(self, dev: SoftDevice, args: CallArgs) -> None:
         DeviceCall.__init__(self, args)
-        self.dev = dev
-        self.state = State.SUBMITTED
-        self.failure = 0  # a retcode known early: the call fails when it would run or end
-        self.failure_detail: str | None = None
-        self.failure_error: Aborted | None = None  # the failure is an abort (a peer's)
-        self.deps_left = 0
-        self.body: Body | None = None
-        self.waiting: Wait | None = None  # (its deadline parked in `dev.alarm`, if any)
-        self.aborting: ACCLError | None = None  # set by `abort_now`: how the call ends
-        self.op0_stream = self.res_stream = False  # operand 0 / result on a kernel stream
+        self.dev, self.state, self.body, self.waiting = dev, State.SUBMITTED, None, None
 
     # -- submitted ------------------------------------------------------------------
 
@@ -137,33 +145,39 @@ class SoftCall(DeviceCall):
             self.refuse(dev.aborted or DeviceError("the soft CCLO is closed"))
             return
         dev.calls[self] = None
-        if self.args.scenario != Scenario.CONFIG:
-            dev.last = self.args  # (not the call: the user's, collected once dropped)
-        if dev.in_order:  # it takes its place now, ready or not, as on the firmware
-            dev.queue.append(self)
+        dev.last = self.args  # (not the call: the user's, collected once dropped)
         try:
             self.prepare()
         except CallFailed as failed:
             self.failure, self.failure_detail = failed.code, failed.detail
+        if dev.in_order:  # it takes its place now, ready or not, as on the firmware
+            dev.queue.append(self)
+            if waitfor or self.op0_stream or self.res_stream:
+                self._wait_for(waitfor)
+            else:
+                dev.ready(self)
+        elif waitfor or self.op0_stream or self.res_stream:
+            self._wait_for(waitfor)
+        else:  # (ready, in line: the common case costs no call)
+            self.start()
+
+    def _wait_for(self, waitfor: tuple[DeviceCall, ...]) -> None:
+        """Run once the calls of `waitfor` are done (never, if one of them failed),
+        and a call on the kernel streams once the one before it on them ended."""
+        dev = self.dev
         if self.op0_stream or self.res_stream:
-            turn = self.dev.streams.turn(self)
+            turn = dev.streams.turn(self)
             if turn is not None:
                 waitfor = (*waitfor, turn)
-        if not waitfor:
-            if self.dev.in_order:
-                self.dev.ready(self)
-            else:  # (ready, in line: the common case costs no call)
-                self.start()
-            return
         pending = [dep for dep in waitfor if not dep.done()]
         if any(dep.failed for dep in waitfor if dep.done()):
             self.abort()
             return
         self.deps_left = len(pending)
         if not pending:
-            self.dev.ready(self)
+            dev.ready(self)
             return
-        post = self.dev.engine.post
+        post = dev.engine.post
         for dep in pending:
             dep.add_done_callback(lambda dep: post(self.dependency_done, dep))
 
@@ -379,11 +393,9 @@ class SoftCall(DeviceCall):
     def finish(self, retcode: int = 0, detail: str | None = None) -> None:
         """The call ran to its end with `retcode` (its body, or its fabric for it).
         One that ended well, out of order, ends here in one frame: most calls do."""
-        self.state = State.DONE
-        self.body = None
+        self.state, self.body, self.waiting = State.DONE, None, None
         dev = self.dev
-        if self.prefix is not None:  # a collective's record in the inbox (`Inbox.leave`)
-            dev.inbox.members.pop(self.prefix, None)
+        dev.inbox.members.pop(self.prefix, None)  # type: ignore[arg-type]  # (`Inbox.leave`)
         if retcode or self.failure or self.aborting is not None or dev.in_order:
             self.end(retcode, detail)
             return
@@ -403,6 +415,11 @@ class SoftCall(DeviceCall):
 
 class ConfigCall(SoftCall):
     __slots__ = ()
+
+    def admit(self, waitfor: tuple[DeviceCall, ...]) -> None:
+        last = self.dev.last  # (what a peer's error names is the user's last call)
+        super().admit(waitfor)
+        self.dev.last = last
 
     def run(self) -> Body:
         code = self.dev.configure(self.args)

@@ -55,7 +55,7 @@ def mismatch(fp: Fingerprint, other: Fingerprint, ours: int, theirs: int) -> Fai
     return code, f"rank {a} called {describe(x)}; rank {b} called {describe(y)}"
 
 
-_Member = tuple[int, Fingerprint, Callable[[int, str, bool], None]]
+_Member = tuple[int, Fingerprint | None, Callable[[int, str, bool], None]]
 """(session, fingerprint, fail): this CCLO's call of a collective, as registered for
 checks and notices (a tuple: no constructor to call per collective)."""
 
@@ -125,7 +125,9 @@ class Inbox:
         self._streams: dict[tuple[Key, int], Stream] = {}
         self._steps: dict[tuple[int, Key], Message] = {}
         self._step_waits: dict[tuple[int, Key], StepWait] = {}
-        self._coll_seq: dict[Hashable, int] = {}  # per communicator: the next collective's seq
+        # per communicator: the next collective's seq (`admit`; a collective's call
+        # takes it in line)
+        self.coll_seq: dict[Hashable, int] = {}
         self._gave_up: dict[Key, None] = {}  # the last GAVE_UP_KEPT collectives that failed here
         # our running collectives, by prefix (one ends: `leave`, or its pop in line)
         self.members: dict[Key, _Member] = {}
@@ -341,27 +343,29 @@ class Inbox:
     def admit(self, comm_key: Hashable) -> int:
         """The number of our next collective on communicator `comm_key` (the same
         on every rank); from now on, what comes for it is ours to end."""
-        seq = self._coll_seq.get(comm_key, 0)
-        self._coll_seq[comm_key] = seq + 1
+        seq = self.coll_seq.get(comm_key, 0)
+        self.coll_seq[comm_key] = seq + 1
         return seq
 
     def _ended(self, prefix: Key) -> bool:
         """Our call of collective `prefix` was admitted and is no longer running."""
-        return prefix[2] < self._coll_seq.get(prefix[1], 0) and prefix not in self.members
+        return prefix[2] < self.coll_seq.get(prefix[1], 0) and prefix not in self.members
 
-    def join(self, prefix: Key, session: int, fp: Fingerprint,
+    def join(self, prefix: Key, session: int, fp: Fingerprint | None,
              fail: Callable[[int, str, bool], None]) -> tuple[int, str, bool] | None:
         """Our call of collective `prefix` is admitted: check it against what peers
         sent for it already (and whether one of them failed it); later arrivals are
         checked as they come, and `fail(code, why, notified)` ends our call."""
-        failed = self._failed.pop(prefix, None)
-        seen = self._seen.pop(prefix, None)
-        if failed is not None:
-            self._give_up(prefix)
-            return (*failed, True)
-        if seen is not None and seen[1] != fp:
-            self._give_up(prefix)
-            return (*mismatch(fp, seen[1], session, seen[0]), False)
+        if self._failed or self._seen:  # did something come for it before? (rarely)
+            failed = self._failed.pop(prefix, None)
+            seen = self._seen.pop(prefix, None)
+            if failed is not None:
+                self._give_up(prefix)
+                return (*failed, True)
+            if seen is not None and seen[1] != fp:
+                assert fp is not None  # (a call that joins has one)
+                self._give_up(prefix)
+                return (*mismatch(fp, seen[1], session, seen[0]), False)
         self.members[prefix] = (session, fp, fail)
         return None
 
@@ -378,6 +382,7 @@ class Inbox:
                 self._seen[prefix] = (msg.src, msg.fp)
         elif msg.fp is not None and msg.fp != member[1]:
             session, fp, fail = member
+            assert fp is not None
             code, why = mismatch(fp, msg.fp, session, msg.src)
             fail(code, why, False)
 

@@ -8,7 +8,9 @@ sender's device memory, which stays put until the receiver releases it.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Hashable
+from functools import reduce
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,6 +26,7 @@ from ._message import Collective, Fingerprint, Message, MessageState, Port
 log = logging.getLogger("aaccl")
 RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
 _new = object.__new__
+_OPERAND = operator.itemgetter(0)  # (of a rank's entry in `Meeting.arrived`)
 
 if TYPE_CHECKING:
     from .._calls._collective import CollectiveCall
@@ -39,22 +42,14 @@ class InProcessFabric:
     def __init__(self, size: int) -> None:
         self.engine = Engine(f"inprocess-{size}")
         self.inboxes = [Inbox() for _ in range(size)]
-        self.meetings: dict[Hashable, Meeting] = {}
         self.alarm = Alarm(self.engine, self._expire)  # the deadlines of the meetings
         self.activities: dict[int, Callable[[Hashable | None], str]] = {}  # session -> what it does now
-        # collectives some ranks have joined: the first one's call, and how many came
-        # (every rank counts once, its call valid or not: the entry ends with the last)
-        self.roll: dict[Hashable, tuple[tuple[int, Fingerprint] | None, int]] = {}
+        # the collectives some ranks have joined (the roll call), by prefix: each one's
+        # meeting, which leaves the roll with the last rank to join
+        self.roll: dict[Hashable, Meeting] = {}
 
     def port(self, session: int) -> InProcessPort:
         return InProcessPort(self, session)
-
-    def meeting(self, key: Hashable, size: int) -> Meeting:
-        """The meeting of the collective `key` (gone once each rank came or left)."""
-        meeting = self.meetings.get(key)
-        if meeting is None:
-            meeting = self.meetings[key] = Meeting(size, self, key)
-        return meeting
 
     @staticmethod
     def _expire(meetings: list[Meeting]) -> None:
@@ -80,47 +75,51 @@ class _Handover(Wait):
 
 
 class Meeting:
-    """Where the ranks of one small allreduce meet in shared memory: the last to
-    arrive computes everyone's result at once (O(N) work for N ranks, instead of
-    N log N messages) and ends every rank's call, on the spot.
+    """One collective as its ranks' calls report to the roll call, in process: the
+    first valid call's fingerprint (every later one is compared with it at once),
+    and how many ranks joined, each once, its call valid or not (`seen`): the entry
+    leaves the fabric's roll with the last, and lives on in the calls that hold it.
+
+    The ranks of a small allreduce also meet here, in shared memory (`_Meet`): the
+    last to arrive computes everyone's result at once (O(N) work for N ranks,
+    instead of N log N messages) and ends every rank's call, on the spot.
 
     One deadline serves the meeting: parked in the fabric's alarm when the first
     rank sits down to wait (with that rank's timeout), it fails every call still
-    waiting then, naming the ranks that never came. It is forgotten once every rank came or gave up, or once
-    a rank gave up and nobody waits in it any more (a rank that rejected its call
-    never comes): a rank still to come then meets in a fresh one, which can never
-    complete either, so its call fails at its deadline (or on a peer's notice)."""
+    waiting then, naming the ranks that never came. Once a rank gave up (`leave`),
+    nobody computes (it never arrives): the calls still to come sit down to wait all
+    the same, and fail at their deadline or on the notice of the rank that gave up."""
 
-    __slots__ = ("size", "arrived", "waiting", "seen", "abandoned", "_fabric", "_key")
+    __slots__ = ("size", "seen", "first", "fp", "arrived", "waiting", "_fabric")
 
-    def __init__(self, size: int, fabric: InProcessFabric, key: Hashable) -> None:
-        self.size, self._fabric, self._key = size, fabric, key
-        self.arrived: dict[int, tuple[np.ndarray, np.ndarray, Datapath]] = {}
-        self.waiting: dict[int, ScheduleCall] = {}  # ranks seated, waiting for the rest
-        self.seen = 0
-        self.abandoned = False
+    size: int
+    seen: int
+    first: int  # the first valid call's rank (session) ...
+    fp: Fingerprint | None  # ... and fingerprint (None: no valid call joined yet)
+    # by communicator rank: (operand, result, datapath) of those that came (the others:
+    # None); the last to come finds every other one seated (`waiting`)
+    arrived: list[tuple[np.ndarray, np.ndarray, Datapath] | None]
+    waiting: dict[int, ScheduleCall]  # ranks seated, waiting for the rest
 
-    def _forget(self) -> None:
-        meetings = self._fabric.meetings
-        if meetings.get(self._key) is self:
-            del meetings[self._key]
+    def __init__(self, size: int, fabric: InProcessFabric, first: int,
+                 fp: Fingerprint | None) -> None:
+        self.size, self._fabric, self.seen = size, fabric, 0
+        self.first, self.fp = first, fp
+        self.arrived, self.waiting = [None] * size, {}
 
     def _compute(self, last: ScheduleCall) -> None:
         """Every rank's fingerprint equals the first's (the roll call): same count and
         dtype. Fold, then end every call."""
-        arrived = self.arrived
         retcode = 0
         try:
             total = self.fold()
-            for _, d, _ in arrived.values():
+            for _, d, _ in self.arrived:  # type: ignore[misc]  # (all came)
                 d[...] = total
         except Exception:  # a bug in the model fails this collective, and nothing else
             log.exception("soft CCLO: internal error in allreduce (its ranks meeting in process)")
             retcode = int(ErrorCode.DMA_INTERNAL_ERROR)
         self._fabric.alarm.parked.pop(self, None)
-        waiting, self.waiting = self.waiting, {}
-        for call in waiting.values():
-            call.waiting = None
+        for call in self.waiting.values():  # (`finish` drops its seat: nothing comes back here)
             call.finish(retcode)
         last.finish(retcode)
 
@@ -128,19 +127,16 @@ class Meeting:
         """Every rank's contribution combined in rank order, as the schedules do,
         into a new array."""
         arrived = self.arrived
-        total, _, path = arrived[0]
-        if path.arith != path.dtype:
-            total = total.copy()
-            for r in range(1, self.size):
-                src, _, path = arrived[r]
-                path.combine(total, src, total)
-            return total
-        # (`Datapath.combine`'s common case, inline) a new array per step: numpy takes
-        # 3x as long for an output that is also an input (its overlap check), and
-        # these arrays are small
-        ufunc = path.ufunc
+        total, _, path = arrived[0]  # type: ignore[misc]  # (all came)
+        if path.arith == path.dtype:
+            # (`Datapath.combine`'s common case, folded by C) a new array per step: numpy
+            # takes 3x as long for an output that is also an input (its overlap check),
+            # and these arrays are small
+            return reduce(path.ufunc, map(_OPERAND, arrived))  # type: ignore[arg-type]
+        total = total.copy()
         for r in range(1, self.size):
-            total = ufunc(total, arrived[r][0])
+            src, _, path = arrived[r]  # type: ignore[misc]
+            path.combine(total, src, total)
         return total
 
     def expire(self) -> None:
@@ -151,17 +147,12 @@ class Meeting:
         for call, detail in expiring:
             call.expire(detail)
 
-    def leave(self, rank: int, arrived: bool) -> None:
-        """A rank gave up (its call failed, or never ran): the others cannot finish."""
-        self.abandoned = True
-        self.arrived.pop(rank, None)
+    def leave(self, rank: int) -> None:
+        """A rank gave up (its call failed, or never ran): the others cannot finish
+        (it never arrives, so nobody computes)."""
+        self.arrived[rank] = None
         self.waiting.pop(rank, None)
-        if not arrived:
-            self.seen += 1
-            if self.seen == self.size:
-                self._forget()
-        if not self.arrived:  # nobody waits here any more
-            self._forget()
+        if not self.waiting:  # nobody waits here any more
             self._fabric.alarm.parked.pop(self, None)
 
 
@@ -175,12 +166,12 @@ class _Seat(Wait):
     rank: int
 
     def expire(self) -> bool:
-        self.meeting.leave(self.rank, arrived=True)
+        self.meeting.leave(self.rank)
         return True
 
     def missing(self) -> list[int]:
         """The communicator ranks that have not arrived."""
-        return [r for r in range(self.meeting.size) if r not in self.meeting.arrived]
+        return [r for r, came in enumerate(self.meeting.arrived) if came is None]
 
 
 class _RollCall(Collective):
@@ -194,22 +185,38 @@ class _RollCall(Collective):
 
     port: InProcessPort
     shared = True  # one per port (`_Meet` too): what a call did there is the call's
+    meets = False  # its calls meet in the entry (`_Meet`), which they hold until they come
 
     def join(self, call: CollectiveCall) -> tuple[int, str] | None:
         """The mismatch with the first rank that joined, if their calls differ."""
-        assert call.comm is not None and call.fp is not None
-        roll, key, session, fp = self.port.fabric.roll, call.prefix, call.dev.session, call.fp
-        first, seen = roll.get(key, (None, 0))
-        if seen + 1 >= call.comm.size:
-            roll.pop(key, None)
-        else:
-            roll[key] = (first or (session, fp), seen + 1)
-        if first is None or first[1] == fp:
+        meeting = self.port.fabric.roll.get(call.prefix) or self._first(call)
+        meeting.seen += 1
+        if meeting.seen == meeting.size:  # the last to join: nobody looks it up again
+            del self.port.fabric.roll[call.prefix]
+        call.meeting = meeting if self.meets else None
+        return None if meeting.fp == call.fp else self._differs(call, meeting)
+
+    def _first(self, call: CollectiveCall) -> Meeting:
+        """The first rank joins: the collective's entry in the roll."""
+        fabric = self.port.fabric
+        assert call.comm is not None
+        meeting = fabric.roll[call.prefix] = Meeting(call.comm.size, fabric, call.dev.session,
+                                                     call.fp)
+        return meeting
+
+    @staticmethod
+    def _differs(call: CollectiveCall, meeting: Meeting) -> tuple[int, str] | None:
+        """Our call's fingerprint is not the first's: the mismatch, unless the ranks
+        before us all rejected their calls (we are the first valid one, then)."""
+        assert call.fp is not None
+        if meeting.fp is None:
+            meeting.first, meeting.fp = call.dev.session, call.fp
             return None
-        return mismatch(fp, first[1], session, first[0])
+        return mismatch(call.fp, meeting.fp, call.dev.session, meeting.first)
 
     def reject(self, call: CollectiveCall, failed: CallFailed) -> None:
-        assert call.comm is not None
+        assert call.comm is not None and call.prefix is not None
+        call.meeting = None
         self.port.absent(call.prefix, call.comm.size)
 
 
@@ -217,59 +224,67 @@ class _Meet(_RollCall):
     """A small allreduce meets its peers in shared memory (`Meeting`): the last to
     come computes everyone's result and ends their calls, and no message is sent.
     The roll call has compared the calls already: the meeting compares nothing.
-    One per port, for all its calls: what a call did there is the call's (`call.met`)."""
+    One per port, for all its calls: a call holds its meeting from the roll call
+    (`call.meeting`) until it comes or gives its place up."""
 
     __slots__ = ()
 
+    meets = True
+
     def start(self, call: ScheduleCall) -> bool:
-        args, dev, comm, prefix = call.args, call.dev, call.comm, call.prefix
-        assert comm is not None and prefix is not None and call.path is not None
-        dtype, count = call.path.dtype, args.count
-        views = dev.views  # (looked up here: a loop of small calls finds them kept)
-        src = views.get((args.addr_0, dtype, count))
-        if src is None:
-            src = dev.array(args.addr_0, dtype, count)
-        dst = views.get((args.addr_2, dtype, count))
-        if dst is None:
-            dst = dev.array(args.addr_2, dtype, count)
-        fabric = self.port.fabric
-        meeting = fabric.meetings.get(prefix)  # (`InProcessFabric.meeting`, inline)
-        if meeting is None:
-            meeting = fabric.meetings[prefix] = Meeting(comm.size, fabric, prefix)
-        call.met = True
+        meeting, call.meeting = call.meeting, None  # (it comes: nothing to give up later)
+        args, dev, path = call.args, call.dev, call.path
+        rank = call.comm.rank  # type: ignore[union-attr]  # (a collective's)
+        ours = dev.views.get((args.addr_0, args.addr_2, path, args.count))  # (src, dst, path)
+        if ours is None:
+            ours = self._views(call, meeting)
+            if ours is None:
+                return True  # (failed)
         # Take part: the last to arrive computes and ends every call; the others wait,
         # seated. If a rank gave up, nobody computes: the calls fail at the deadline (or
         # on the notice of the rank that gave up).
-        rank = comm.rank
-        meeting.seen += 1
-        if meeting.seen == meeting.size:  # every rank came or gave up: not looked up again
-            meeting._forget()
-        if not meeting.abandoned:
-            arrived = meeting.arrived
-            arrived[rank] = (src, dst, call.path)
-            if len(arrived) == meeting.size:
-                meeting._compute(call)
-                return True
+        meeting.arrived[rank] = ours
+        if len(meeting.waiting) == meeting.size - 1:  # every other rank came: the last
+            meeting._compute(call)
+            return True
         seat = _new(_Seat)  # (no __init__: one call less per waiting rank)
         seat.done, seat.value, seat.waiter, seat.timeout_code = False, None, None, RECEIVE_TIMEOUT
-        seat.meeting, seat.rank = meeting, rank
+        seat.meeting, seat.rank, call.waiting = meeting, rank, seat
         meeting.waiting[rank] = call
-        call.waiting = seat
-        alarm = fabric.alarm
-        if meeting not in alarm.parked:
-            alarm.park(meeting, dev.timeout)
+        if len(meeting.waiting) == 1:  # the first to sit down sets the meeting's deadline
+            self.port.fabric.alarm.park(meeting, dev.timeout)
         if dev.gone:  # waits for a rank that left the world?
-            gone = [comm.sessions[r] for r in seat.missing() if comm.sessions[r] in dev.gone]
+            sessions = call.comm.sessions  # type: ignore[union-attr]
+            gone = [sessions[r] for r in seat.missing() if sessions[r] in dev.gone]
             if gone:
                 call.aborting = Aborted(f"rank {gone[0]} left the world: {dev.gone[gone[0]]}")
                 call.interrupt(CallFailed(RECEIVE_TIMEOUT))
         return True
 
+    @staticmethod
+    def _views(call: ScheduleCall, meeting: Meeting
+               ) -> tuple[np.ndarray, np.ndarray, Datapath] | None:
+        """The call's operand and result in device memory, with its datapath, kept in
+        its CCLO's views; None if the CCLO cannot decode an address: the call then
+        failed (and left its meeting)."""
+        args, dev, path = call.args, call.dev, call.path
+        assert path is not None and call.comm is not None
+        try:
+            ours = dev.views[(args.addr_0, args.addr_2, path, args.count)] = (
+                dev.array(args.addr_0, path.dtype, args.count),
+                dev.array(args.addr_2, path.dtype, args.count), path)
+        except CallFailed as failed:
+            meeting.leave(call.comm.rank)
+            call.finish(failed.code, failed.detail)
+            return None
+        return ours
+
     def abandon(self, call: CollectiveCall) -> None:
-        if not call.met:  # the others must not wait for us
-            call.met = True
+        meeting = call.meeting
+        if meeting is not None:  # the others must not wait for us
             assert call.comm is not None
-            self.port.fabric.meeting(call.prefix, call.comm.size).leave(call.comm.rank, False)
+            call.meeting = None
+            meeting.leave(call.comm.rank)
 
 
 class InProcessPort(Port):
@@ -297,11 +312,12 @@ class InProcessPort(Port):
         """This rank's call of collective `key` (of `size` ranks) will not run (the
         host rejected it, or it is invalid): it counts in the roll all the same."""
         roll = self.fabric.roll
-        first, seen = roll.get(key, (None, 0))
-        if seen + 1 >= size:
-            roll.pop(key, None)
-        else:
-            roll[key] = (first, seen + 1)
+        meeting = roll.get(key)
+        if meeting is None:
+            meeting = roll[key] = Meeting(size, self.fabric, -1, None)
+        meeting.seen += 1
+        if meeting.seen == meeting.size:
+            del roll[key]
 
     def collective(self, call: CollectiveCall) -> Collective | None:
         """Every collective of more than one rank reports to the roll call; a small
