@@ -368,10 +368,10 @@ class ACCL:
             b0, b1, b2 = buffers  # checked: their addresses are known
             addrs = (0 if b0 is None else b0._address, 0 if b1 is None else b1._address,
                      0 if b2 is None else b2._address)  # type: ignore[assignment]
-        call = self._driver.start(  # (by position: keywords cost on every call)
+        # by position (keywords cost on every call); `addrs` is set above if it was None
+        call = self._driver.start(
             scenario, count, GLOBAL_COMM if comm_id is None else comm_id, root_src_dst, function,
-            tag, dtype, compress_dtype, operand_dtypes, stream_flags,
-            addrs, waits)  # type: ignore[arg-type]  # (set above if it was None)
+            tag, dtype, compress_dtype, operand_dtypes, stream_flags, addrs, waits)  # type: ignore
         # (by position too; errors name the communicator where it is not the world)
         self._track(op, "cclo", call, deps, submitted,
                     None if sync_out is None else sync_out.sync_from_device, buffers, reads,
