@@ -229,13 +229,13 @@ class Call:
             if not work:
                 self._finished, self._buffers, self._deps = True, (), ()
                 wakers, callbacks, on_done = self._wakers, self._callbacks, self._on_done
-                self._wakers = self._callbacks = None
+                self._wakers = self._callbacks = self._on_done = None
         if work:
             self._conclude()
             with self._lock:
                 self._finished = True
                 wakers, callbacks, on_done = self._wakers, self._callbacks, self._on_done
-                self._wakers = self._callbacks = None
+                self._wakers = self._callbacks = self._on_done = None
         if on_done is not None:  # (the owner's: before anyone wakes)
             try:
                 on_done(self)
