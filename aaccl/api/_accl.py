@@ -368,10 +368,10 @@ class ACCL:
             b0, b1, b2 = buffers  # checked: their addresses are known
             addrs = (0 if b0 is None else b0._address, 0 if b1 is None else b1._address,
                      0 if b2 is None else b2._address)  # type: ignore[assignment]
-        call = self._driver.start(  # (by position: keywords cost on every call)
+        # by position (keywords cost on every call); `addrs` is set above if it was None
+        call = self._driver.start(
             scenario, count, GLOBAL_COMM if comm_id is None else comm_id, root_src_dst, function,
-            tag, dtype, compress_dtype, operand_dtypes, stream_flags,
-            addrs, waits)  # type: ignore[arg-type]  # (set above if it was None)
+            tag, dtype, compress_dtype, operand_dtypes, stream_flags, addrs, waits)  # type: ignore
         # (by position too; errors name the communicator where it is not the world)
         self._track(op, "cclo", call, deps, submitted,
                     None if sync_out is None else sync_out.sync_from_device, buffers, reads,
@@ -869,38 +869,39 @@ class ACCL:
             if type(sbuf) is Buffer and type(rbuf) is Buffer and type(count) is int \
                     and type(comm_id) is int and type(from_fpga) is bool and type(to_fpga) is bool \
                     and 0 <= comm_id < len(comms := self._driver.communicators) \
-                    and 0 <= count < _COUNT_END and (sa := sbuf._allocation) is not None \
-                    and (da := rbuf._allocation) is not None and sa.owner is self is da.owner \
-                    and sbuf._address is not None and rbuf._address is not None \
+                    and 0 <= count < _COUNT_END and compress_dtype is None \
+                    and (sa := sbuf._allocation) is not None and sa.owner is self \
+                    and (da := rbuf._allocation) is not None and da.owner is self \
+                    and (s_at := sbuf._address) is not None \
+                    and (d_at := rbuf._address) is not None \
                     and (dtype := sbuf.dtype) in SUPPORTED_DTYPES and rbuf.dtype == dtype \
-                    and (func is _NO_REDUCTION or type(func) is ReduceFunction) \
-                    and compress_dtype is None:
-                # the common case, checked in one test (the checks below say what is wrong),
-                # but for the sizes, which need the communicator's
-                size, n, s, d, wire = len(comms[comm_id][1].ranks), count, sbuf, rbuf, None
-                ins, outs = n * (size if chunked_in else 1), n * (size if chunked_out else 1)
-                if ins > s.size or outs > d.size:
-                    check.buffers(s, d, self, ins, outs)  # (raises, naming the buffer)
+                    and (func is _NO_REDUCTION or type(func) is ReduceFunction):
+                # the common case, checked in one test but for the sizes, which need the
+                # communicator's (the checks below say what is wrong)
+                size = len(comms[comm_id][1].ranks)
                 function = 0 if func is _NO_REDUCTION else int(func)  # type: ignore[call-overload]
-            else:
+            else:  # (or convert what is right: a numpy integer, say)
                 check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
                 function = 0 if func is _NO_REDUCTION else int(check.function(func))
-                size, n = self._comm_size(comm_id), check.count(count)
-                ins, outs = n * (size if chunked_in else 1), n * (size if chunked_out else 1)
-                s, d = check.buffers(sbuf, rbuf, self, ins, outs)
-                dtype = check.same_dtype(sbuf=s, rbuf=d)
-                wire = check.compression(dtype, compress_dtype)
-                sa, da = s._allocation, d._allocation
-            s_at, d_at = s._address, d._address  # (looked up by check.buffer)
-            assert s_at is not None and d_at is not None and sa is not None and da is not None
-            reads = ((sa.address, s_at, s_at + ins * s.itemsize),) if n else ()
-            writes = ((da.address, d_at, d_at + outs * d.itemsize),) if n else ()
-            return self._submit(op, scenario, waitfor, count=n, comm_id=comm_id, function=function,
-                                dtype=dtype, compress_dtype=wire, buffers=(s, d, d), reads=reads,
-                                writes=writes, addrs=(s_at, d_at, d_at),
-                                sync_in=() if from_fpga else (_head(s, ins),),
-                                sync_out=None if to_fpga else _head(d, outs),
-                                depth=4)  # _track <- _submit <- _all <- allreduce
+                size, count = self._comm_size(comm_id), check.count(count)
+                sbuf, rbuf = check.buffers(sbuf, rbuf, self, (size if chunked_in else 1) * count,
+                                           (size if chunked_out else 1) * count)
+                dtype = check.same_dtype(sbuf=sbuf, rbuf=rbuf)
+                compress_dtype = check.compression(dtype, compress_dtype)
+                sa, da = sbuf._allocation, rbuf._allocation
+                s_at, d_at = sbuf._address, rbuf._address  # (looked up by check.buffer)
+                assert sa is not None and da is not None and s_at is not None and d_at is not None
+            ins, outs = (size if chunked_in else 1) * count, (size if chunked_out else 1) * count
+            if ins > sbuf.size or outs > rbuf.size:
+                check.buffers(sbuf, rbuf, self, ins, outs)  # (raises, naming the buffer)
+            reads = ((sa.address, s_at, s_at + ins * sbuf.itemsize),) if count else ()
+            writes = ((da.address, d_at, d_at + outs * rbuf.itemsize),) if count else ()
+            return self._submit(  # (depth: _track <- _submit <- _all <- allreduce <- user)
+                op, scenario, waitfor, count=count, comm_id=comm_id, function=function, depth=4,
+                dtype=dtype, compress_dtype=compress_dtype, buffers=(sbuf, rbuf, rbuf),
+                reads=reads, writes=writes, addrs=(s_at, d_at, d_at),
+                sync_in=() if from_fpga else (_head(sbuf, ins),),
+                sync_out=None if to_fpga else _head(rbuf, outs))
         except (TypeError, ValueError) as exc:
             self._rejected(op, comm_id, exc)
             raise

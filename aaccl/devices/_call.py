@@ -196,8 +196,7 @@ class Call:
         """A call with these arguments, to be completed; `done`: it ended well the
         moment it was made (a nop with nothing to wait for), with nobody to tell.
         (Each field with a natural default is set once, in one line per default.)"""
-        self.args = args
-        self._lock = threading.Lock()
+        self.args, self._lock = args, threading.Lock()
         self.owner = self.error = self.detail = self._error = None
         self._callbacks = self._wakers = self._finish = self._on_done = None
         self.aborted = self._retrieved = self._used = self._seen = self._given_up = False
@@ -230,13 +229,13 @@ class Call:
             if not work:
                 self._finished, self._buffers, self._deps = True, (), ()
                 wakers, callbacks, on_done = self._wakers, self._callbacks, self._on_done
-                self._wakers = self._callbacks = None
+                self._wakers = self._callbacks = self._on_done = None
         if work:
             self._conclude()
             with self._lock:
                 self._finished = True
                 wakers, callbacks, on_done = self._wakers, self._callbacks, self._on_done
-                self._wakers = self._callbacks = None
+                self._wakers = self._callbacks = self._on_done = None
         if on_done is not None:  # (the owner's: before anyone wakes)
             try:
                 on_done(self)

@@ -267,8 +267,8 @@ class Driver:
         """
         arithcfg, flags = self._codes.get((dtype, compress_dtype, operand_dtypes)) \
             or self._encode(dtype, compress_dtype, operand_dtypes)
-        args = _call_args((int(scenario), count, self.communicators[comm_id][0], root_src_dst,
-                           function, tag, arithcfg, flags, stream_flags) + addrs)
+        head = (int(scenario), count, self.communicators[comm_id][0], root_src_dst, function)
+        args = _call_args(head + (tag, arithcfg, flags, stream_flags) + addrs)
         if not self.device.runs_accl_firmware:
             return self.device.start(args, waitfor)
         if scenario in firmware.RENDEZVOUS_ONLY and self.stack in ("tcp", "udp"):

@@ -150,33 +150,33 @@ class SoftCall(DeviceCall):
             self.prepare()
         except CallFailed as failed:
             self.failure, self.failure_detail = failed.code, failed.detail
-        if dev.in_order:  # it takes its place now, ready or not, as on the firmware
-            dev.queue.append(self)
-            if waitfor or self.op0_stream or self.res_stream:
-                self._wait_for(waitfor)
-            else:
-                dev.ready(self)
-        elif waitfor or self.op0_stream or self.res_stream:
-            self._wait_for(waitfor)
+        if waitfor or dev.in_order or self.op0_stream or self.res_stream:
+            self._when_ready(waitfor)
         else:  # (ready, in line: the common case costs no call)
             self.start()
 
-    def _wait_for(self, waitfor: tuple[DeviceCall, ...]) -> None:
-        """Run once the calls of `waitfor` are done (never, if one of them failed),
-        and a call on the kernel streams once the one before it on them ended."""
+    def _when_ready(self, waitfor: tuple[DeviceCall, ...]) -> None:
+        """Run once the calls of `waitfor` are done (never, if one of them failed); a
+        call on the kernel streams once the one before it on them ended, too; in
+        order, once every call admitted before it ended."""
         dev = self.dev
+        if dev.in_order:  # it takes its place now, ready or not, as on the firmware
+            dev.queue.append(self)
         if self.op0_stream or self.res_stream:
             turn = dev.streams.turn(self)
             if turn is not None:
                 waitfor = (*waitfor, turn)
+        if not waitfor:
+            dev.ready(self)
+            return
         pending = [dep for dep in waitfor if not dep.done()]
         if any(dep.failed for dep in waitfor if dep.done()):
             self.abort()
             return
-        self.deps_left = len(pending)
         if not pending:
             dev.ready(self)
             return
+        self.deps_left = len(pending)
         post = dev.engine.post
         for dep in pending:
             dep.add_done_callback(lambda dep: post(self.dependency_done, dep))

@@ -233,9 +233,8 @@ class _Meet(_RollCall):
 
     def start(self, call: ScheduleCall) -> bool:
         meeting, call.meeting = call.meeting, None  # (it comes: nothing to give up later)
-        args, dev, path = call.args, call.dev, call.path
-        rank = call.comm.rank  # type: ignore[union-attr]  # (a collective's)
-        ours = dev.views.get((args.addr_0, args.addr_2, path, args.count))  # (src, dst, path)
+        args, dev, rank = call.args, call.dev, call.comm.rank  # type: ignore[union-attr]
+        ours = dev.views.get((args.addr_0, args.addr_2, call.path, args.count))  # (src, dst, path)
         if ours is None:
             ours = self._views(call, meeting)
             if ours is None:

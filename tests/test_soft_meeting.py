@@ -1,0 +1,36 @@
+"""A small allreduce's ranks meeting in process (aaccl/soft/fabric/_inprocess.py),
+where the API's checks cannot reach: calls made through the driver."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+import aaccl
+from aaccl import ErrorCode, ReduceFunction
+from aaccl._constants import Scenario
+
+F32 = np.dtype(np.float32)
+
+
+def test_an_address_the_cclo_cannot_decode_fails_the_meeting_at_once() -> None:
+    """Rank 1's operand is at no address of its device memory: its call fails with
+    DMA_DECODE_ERROR, and rank 0's, waiting in the meeting, on its notice, well
+    before the timeout (it used to leave rank 1's call pending forever)."""
+    async def main() -> list[aaccl.devices.DeviceCall]:
+        async with aaccl.open_world(2, timeout=30.0) as (a, b):
+            src = [x.allocate(4, np.float32) for x in (a, b)]
+            dst = [x.allocate(4, np.float32) for x in (a, b)]
+            calls = [x._driver.start(Scenario.ALLREDUCE, 4, 0, 0, int(ReduceFunction.SUM),
+                                     dtype=F32, addrs=(addr, 0, d._address))
+                     for x, addr, d in ((a, src[0]._address, dst[0]),
+                                        (b, 123_456_789, dst[1]))]
+            for call in calls:
+                assert await asyncio.to_thread(call.block, 10), "the call never ended"
+            return calls
+
+    ours, theirs = asyncio.run(main())
+    assert theirs.retcode == ErrorCode.DMA_DECODE_ERROR
+    assert ours.retcode == ErrorCode.DMA_DECODE_ERROR
+    assert ours.detail is not None and "rank 1's allreduce" in ours.detail
