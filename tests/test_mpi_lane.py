@@ -67,3 +67,12 @@ def test_a_rank_that_left_fails_every_later_collective_at_once() -> None:
     for i in range(3):
         assert f"lane-left rank=1 call={i} " in out, job.explain()
     assert job.seconds < 20, job.explain()
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_the_persistent_opening_made_afresh(nprocs: int) -> None:
+    """The lane makes its persistent opening afresh every RENEW_EVERY openings (MPICH
+    keeps a persistent collective's tag for good, and hands nonblocking ones tags from
+    a counter that wraps without looking at it): here every 4, with collectives one at
+    a time and 200 outstanding, every result checked."""
+    assert_passed(launch(nprocs, "lane.py", "renew", "timeout=10"), nprocs)
