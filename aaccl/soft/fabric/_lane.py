@@ -26,6 +26,7 @@ turn later; if it never ends, neither does the lane, and nothing waits on it.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -125,8 +126,18 @@ class Opening(Matched):
         return True
 
 
-_UNFINISHED: list[Lane] = []
-"""Lanes of closed worlds whose collectives MPI may not have finished (`Lane.close`)."""
+def _keep(lane: Lane) -> None:
+    """Keep `lane`, a closed world's whose collectives MPI may not have finished, and
+    all it holds that MPI may still write into (a transfer's operand and result, the
+    openings' buffers), to the very end of the process: a reference nothing drops. A
+    module's list would not do: mpi4py finalizes MPI after the interpreter has torn
+    its modules down and freed their objects (Py_AtExit), and MPI_Finalize still
+    delivers what a peer sends to a collective left unfinished (a Ctrl-C under
+    `aaccl launch`: a peer's 4 KiB of an allreduce that a departed rank's leaving
+    ended here, written into freed device memory, "malloc(): unsorted double linked
+    list corrupted")."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(lane))
+
 
 SETTLED, BROKEN = ("settled",), ("broken",)
 """What the opening of a parked call ends with when its blocks agree (`Lane._opened`):
@@ -353,7 +364,7 @@ class Lane:
                 request.Free()  # (inactive: freed before MPI_Finalize, as MPI asks)
                 self._request = None  # (freed once: `close` may come twice, see _at_exit)
             if not (free and self.idle):
-                _UNFINISHED.append(self)
+                _keep(self)
                 return
         self.comm.Free()
 
