@@ -5,10 +5,16 @@ numpy — is tests/test_mpi_fabric.py's `collectives` suites, which run here too
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from test_mpi_fabric import MPIEXEC, assert_passed, launch
 
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install 'aaccl[mpi]')")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
@@ -67,3 +73,57 @@ def test_a_rank_that_left_fails_every_later_collective_at_once() -> None:
     for i in range(3):
         assert f"lane-left rank=1 call={i} " in out, job.explain()
     assert job.seconds < 20, job.explain()
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_the_persistent_opening_made_afresh(nprocs: int) -> None:
+    """The lane makes its persistent opening afresh every RENEW_EVERY openings (MPICH
+    keeps a persistent collective's tag for good, and hands nonblocking ones tags from
+    a counter that wraps without looking at it): here every 4, with collectives one at
+    a time and 200 outstanding, every result checked."""
+    assert_passed(launch(nprocs, "lane.py", "renew", "timeout=10"), nprocs)
+
+
+KEPT = '''
+import os
+from aaccl.soft._engine import Engine
+from aaccl.soft.fabric._lane import Lane, Op
+
+
+class Comm:  # (no Allgather_init: the lane opens with Iallgather, never called here)
+    def Get_size(self):
+        return 2
+
+
+class Memory:  # what a transfer MPI may still write into holds (device memory)
+    def __del__(self, write=os.write):
+        write(1, b"freed\\n")
+
+
+lane = Lane(Comm(), Engine("kept"))
+op, memory = Op(0, None), Memory()
+op.transfer = lambda memory=memory: memory  # (holds it, as `transfer` does)
+lane._graveyard.append((object(), op))  # a peer left while MPI moved its data
+lane.close(free=False)
+del lane, op, memory
+print("exiting", flush=True)
+'''
+
+
+def test_what_mpi_may_write_into_outlives_the_interpreters_teardown(tmp_path: Path) -> None:
+    """A closed lane's unfinished collective keeps its memory past the interpreter's
+    teardown: mpi4py finalizes MPI only after that (Py_AtExit), and MPI_Finalize
+    still delivers what a peer sends to it. A module's list of such lanes was emptied
+    by the teardown first: under `aaccl launch`, a Ctrl-C then ended a rank whose
+    peer's leaving had left its allreduce unfinished in "malloc(): unsorted double
+    linked list corrupted" (6 of 40 runs of test_mpi_faults.py's
+    test_ctrl_c_under_aaccl_launch_exits_130[trio], its core showing the peer's 4 KiB
+    written into the freed device memory)."""
+    script = tmp_path / "kept.py"
+    script.write_text(KEPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    job = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env=env, timeout=60, check=False)
+    assert job.returncode == 0, job.stderr
+    assert job.stdout == "exiting\n", job.stdout + job.stderr

@@ -28,11 +28,15 @@ Suites:
   left      (timeout=10, 2 ranks) rank 0's program raises with an allreduce still
             waiting for its dependency; rank 1's next three collectives (small and
             large) each fail at once, saying rank 0 left (fails, by design).
+  renew     the lane makes its persistent opening afresh every 4 openings instead of
+            every 2**20 (`_lane.RENEW_EVERY`): small and large collectives, one at a
+            time and 200 outstanding, are all right, and it was made afresh.
 """
 
 from __future__ import annotations
 
 import random
+import sys
 import time
 
 import anyio
@@ -43,6 +47,7 @@ from test_communicators import gathers_with_different_roots
 
 import aaccl
 from aaccl import ReduceFunction
+from aaccl.soft.fabric import _lane
 
 SUM = ReduceFunction.SUM
 FAST = 1.0  # seconds within which a verdict reaches every rank (timeouts are 10x that)
@@ -273,6 +278,40 @@ async def left(checks: Checks, accl: aaccl.ACCL) -> None:
         say(f"lane-left rank=1 call={i} {exc}")
 
 
+async def renew(checks: Checks, accl: aaccl.ACCL) -> None:
+    renewed = 0
+    make = _lane.Lane._renew
+
+    def counted(lane: _lane.Lane, index: int) -> object:
+        nonlocal renewed
+        renewed += 1
+        return make(lane, index)
+
+    _lane.Lane._renew = counted  # type: ignore[method-assign]
+    try:
+        for round_ in range(6):
+            await still_works(checks, accl, round_)
+        n = 200
+        src = accl.allocate(n, np.int64)
+        dst = accl.allocate(n, np.int64)
+        src[:] = np.arange(n) * (accl.rank + 1)
+        src.sync_to_device()
+        calls = [accl.allreduce(src[i:i + 1], dst[i:i + 1], 1, SUM, from_fpga=True,
+                                to_fpga=True) for i in range(n)]
+        for call in calls:
+            await call
+        dst.sync_from_device()
+        size = accl.size
+        np.testing.assert_array_equal(dst, np.arange(n) * (size * (size + 1) // 2))
+        checks()
+    finally:
+        _lane.Lane._renew = make  # type: ignore[method-assign]
+    assert renewed >= 50, renewed  # (224 openings: one in 4 renews)
+    checks()
+
+
 if __name__ == "__main__":
+    if "renew" in sys.argv:  # (before the world's lane is made: see `renew`)
+        _lane.RENEW_EVERY = 4
     run_suite({"verdicts": verdicts, "late": late, "many": many, "waitfor": waitfor,
-               "roots": roots, "gave_up": gave_up, "left": left})
+               "roots": roots, "gave_up": gave_up, "left": left, "renew": renew})

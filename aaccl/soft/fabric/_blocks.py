@@ -114,11 +114,11 @@ def template(fp: Fingerprint) -> bytes:
     return raw
 
 
-def opening(fp: Fingerprint, data: np.ndarray | None = None) -> bytearray:
-    """A running call's block, with its data if any."""
+def opening(fp: Fingerprint, data: bytes | None = None) -> bytearray:
+    """A running call's block, with its data (bytes) if any."""
     block = bytearray(template(fp))
-    if data is not None:
-        block[HEAD:HEAD + data.nbytes] = data.tobytes()
+    if data:
+        block[HEAD:HEAD + len(data)] = data
     return block
 
 

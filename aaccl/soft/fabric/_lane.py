@@ -26,6 +26,7 @@ turn later; if it never ends, neither does the lane, and nothing waits on it.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -65,6 +66,14 @@ SHAPES_KEPT = 4096
 OPENING_SPIN = 0.002
 """Seconds after an opening starts during which whoever polls does so without a nap:
 the peers are usually close behind (the round trip of MPI's allgather)."""
+
+RENEW_EVERY = 1 << 20
+"""Openings after which the lane makes its persistent opening afresh (`Lane._renew`).
+MPICH gives a persistent collective one tag for good, when it is made, and every
+nonblocking one the next of a counter that wraps at MPI_TAG_UB (2**29 - 1 here)
+without looking at persistent ones: after that many transfers the counter would reach
+the opening's tag again while both may be in flight, and their messages would cross.
+A lane's collective takes at most two tags (an Iallgather, a transfer)."""
 
 
 def runs_natively(fp: Fingerprint) -> bool:
@@ -117,10 +126,40 @@ class Opening(Matched):
         return True
 
 
+def _keep(lane: Lane) -> None:
+    """Keep `lane`, a closed world's whose collectives MPI may not have finished, and
+    all it holds that MPI may still write into (a transfer's operand and result, the
+    openings' buffers), to the very end of the process: a reference nothing drops. A
+    module's list would not do: mpi4py finalizes MPI after the interpreter has torn
+    its modules down and freed their objects (Py_AtExit), and MPI_Finalize still
+    delivers what a peer sends to a collective left unfinished (a Ctrl-C under
+    `aaccl launch`: a peer's 4 KiB of an allreduce that a departed rank's leaving
+    ended here, written into freed device memory, "malloc(): unsorted double linked
+    list corrupted")."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(lane))
+
+
+SETTLED, BROKEN = ("settled",), ("broken",)
+"""What the opening of a parked call ends with when its blocks agree (`Lane._opened`):
+its result is in place, or settling it failed (a bug: logged)."""
+
 TAKEN = Turn()
 TAKEN.set(None)
 """The turn of a call whose opening started before it waited for its turn (in its own
 `start`, most often): one done wait for all of them, nothing to tell."""
+
+
+class _Failed:
+    """An opening's request that MPI failed when first tested (`Lane.begin`): its
+    test raises that error, as MPI's did."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def Test(self) -> bool:  # noqa: N802  (MPI's name)
+        raise self.error
 
 
 class Op:
@@ -131,7 +170,7 @@ class Op:
     `moved` once MPI moves the data in a collective of its own."""
 
     __slots__ = ("index", "fp", "block", "transfer", "turn", "opening", "moved", "gathered",
-                 "issued", "finished")
+                 "issued", "finished", "parked")
 
     def __init__(self, index: int, fp: Fingerprint | None) -> None:
         self.index = index  # its place in the lane: the same on every rank
@@ -151,6 +190,7 @@ class Op:
         self.gathered: bytearray | None = None
         self.issued = False  # its opening has started
         self.finished = False  # MPI is done with all of it
+        self.parked: LaneTurn | None = None  # its call, with no body: settled at the opening's end
 
 
 class Lane:
@@ -174,6 +214,19 @@ class Lane:
         self._dead_from: int | None = None  # a peer left: no collective from here on runs
         self._dead_why: Aborted | None = None
         self._graveyard: list[tuple[Any, Op]] = []  # MPI holds them (and their buffers)
+        # One opening is in flight at a time, so every opening goes through the same two
+        # buffers: by one persistent MPI request where MPI has them (MPI 4), whose start
+        # costs half an Iallgather's. `_sent`: the fingerprint whose running block's
+        # header `_send` holds (a call like the one before it writes its data only).
+        self._send = bytearray(BLOCK)
+        self._gathered = bytearray(self.size * BLOCK)
+        self._sent: Fingerprint | None = None
+        self._request: Any = None
+        self._renew_at = RENEW_EVERY  # the index of the op whose opening renews it
+        try:
+            self._request = comm.Allgather_init(self._send, self._gathered)
+        except (AttributeError, NotImplementedError):  # (mpi4py < 4, or MPI < 4)
+            pass
         # by fingerprint, for a collective whose data rides in the opening: how many
         # elements this rank puts in its block, and how far the call reaches into its
         # operand and result (False: the data does not ride in it); see LaneTurn.start
@@ -229,28 +282,91 @@ class Lane:
         if events:
             self._emit(events)
 
-    def begin(self, op: Op, block: bytearray) -> None:
-        """`start` for a call with no transfer whose op is the lane's only one queued
-        and nothing holds the lane back (the common small collective): its opening
-        starts at once, here, and its turn is over (TAKEN). Anything else goes the
-        general way (`start`). Engine context."""
+    def begin(self, op: Op, fp: Fingerprint, data: bytes | None, parked: LaneTurn) -> bool:
+        """`start` for a running call with no transfer (its `data` rides in its block)
+        whose op is the lane's only one queued while nothing holds the lane back (the
+        common small collective): its opening starts at once, here, its turn is over
+        (TAKEN), and `parked` settles the call at the opening's end (`_opened`). False
+        if anything else is the case: the caller goes the general way (`start`).
+        Engine context."""
         with self._lock:
             queue = self._queue
             if (self._opening is None and not self.stuck and len(queue) == 1
                     and queue[0] is op and op.block is None and op.turn is None
                     and self._dead_from is None and not self._ended):
-                gathered = bytearray(self.size * BLOCK)
-                try:
-                    request = self.comm.Iallgather(block, gathered)
+                send = self._send
+                if fp is not self._sent:  # (the fingerprints of like calls are one object)
+                    send[:] = blocks.TEMPLATES.get(fp) or blocks.template(fp)
+                    self._sent = fp
+                if data:
+                    send[blocks.HEAD:blocks.HEAD + len(data)] = data
+                try:  # (`_open`, inline: every small collective's start)
+                    request = self._request
+                    if request is None:
+                        request = self.comm.Iallgather(send, self._gathered)
+                    else:
+                        if op.index >= self._renew_at:
+                            request = self._renew(op.index)
+                        request.Start()
                 except Exception:  # MPI failed (a peer died): as `_pump` says
-                    pass
-                else:
-                    queue.popleft()
-                    op.block, op.gathered, op.issued, op.turn = block, gathered, True, TAKEN
-                    self._opening = (request, op)
-                    self._spin_until = time.monotonic() + OPENING_SPIN
-                    return
-        self.start(op, block, None)
+                    return False
+                try:  # (MPI moves data only when called: our block leaves now, not at
+                    request.Test()  # our first poll, so a peer's first poll can end it)
+                except Exception as error:  # (a persistent request tests True after it)
+                    self._hold(request, op)
+                    request = _Failed(error)
+                queue.popleft()
+                op.block, op.gathered, op.issued, op.turn = send, self._gathered, True, TAKEN
+                op.parked = parked
+                self._opening = (request, op)
+                self._spin_until = time.monotonic() + OPENING_SPIN
+                return True
+        return False
+
+    def _open(self, index: int) -> Any:
+        """Start the opening of op `index`, whose block `_send` holds (with the lock):
+        its request."""
+        request = self._request
+        if request is None:
+            return self.comm.Iallgather(self._send, self._gathered)
+        if index >= self._renew_at:
+            request = self._renew(index)
+        request.Start()
+        return request
+
+    def _renew(self, index: int) -> Any:
+        """Make the persistent opening afresh (RENEW_EVERY), at op `index`'s opening,
+        the same on every rank (MPI matches persistent collectives' making in order
+        too); the old one is inactive (no opening is in flight), so it is freed."""
+        old = self._request
+        self._request = request = self.comm.Allgather_init(self._send, self._gathered)
+        self._renew_at = index + RENEW_EVERY
+        old.Free()
+        return request
+
+    def unpark(self, op: Op) -> None:
+        """`op`'s call ended before its opening did: nothing settles it any more (it
+        may own its memory no longer)."""
+        with self._lock:
+            op.parked = None
+
+    def close(self, free: bool) -> None:
+        """The world closes (on any thread): start nothing in MPI from now on (a call
+        that comes late fails at its turn), and free the lane's MPI objects if `free`
+        and nothing is in flight (`idle`). Else the lane is kept to the process's end:
+        MPI may still write into its buffers, and freeing an active request would not
+        stop it."""
+        with self._lock:
+            self._dead_from, self._dead_why = self._admitted, Aborted("the world is closed")
+            request, opening = self._request, self._opening
+            if request is not None and (opening is None or opening[0] is not request) \
+                    and all(r is not request for r, _ in self._graveyard):
+                request.Free()  # (inactive: freed before MPI_Finalize, as MPI asks)
+                self._request = None  # (freed once: `close` may come twice, see _at_exit)
+            if not (free and self.idle):
+                _keep(self)
+                return
+        self.comm.Free()
 
     @staticmethod
     def _expire(overdue: list[LaneTurn]) -> None:
@@ -384,9 +500,11 @@ class Lane:
                 events.append((op.opening.set, (self._cannot(gone),)))
                 self._finish(op)
                 continue
-            op.gathered = bytearray(self.size * BLOCK)
+            # (BLOCK bytes: `_send` keeps its size; an ndarray is a buffer, see _blocks)
+            self._send[:] = memoryview(op.block)  # type: ignore[arg-type]
+            self._sent, op.gathered = None, self._gathered
             try:
-                request = self.comm.Iallgather(op.block, op.gathered)
+                request = self._open(op.index)
             except Exception as error:  # MPI failed (a peer died)
                 self._turn(op, None, events)
                 events.append((op.opening.set, (str(error),)))
@@ -412,7 +530,8 @@ class Lane:
                     done = request.Test()
                 except Exception as error:
                     events.append((op.moved.set, (str(error),)))
-                    self._finish(op)
+                    self._hold(request, op)
+                    self._finish(op, held=True)
                     continue
                 if done:
                     events.append((op.moved.set, (None,)))
@@ -430,6 +549,7 @@ class Lane:
             except Exception as error:
                 self._opening, self.stuck = None, ""
                 events.append((op.opening.set, (str(error),)))
+                self._hold(request, op)
                 self._finish(op)
                 self._pump(events)
                 return True
@@ -441,11 +561,37 @@ class Lane:
         return came
 
     def _opened(self, op: Op, events: list[tuple[Post, tuple[Any, ...]]]) -> None:
-        """An opening ended: start its transfer if every block agrees on one."""
+        """An opening ended: start its transfer if every block agrees on one. The
+        blocks are read here (the next opening reuses the buffer): a parked call
+        settles from them now, anyone else is given a copy."""
         self._opening, self.stuck = None, ""
-        gathered = op.gathered
-        assert gathered is not None
+        gathered = self._gathered
         agreed = agree(gathered, self.size)
+        parked = op.parked
+        if parked is not None:  # (agreed: its data rode in the blocks, so no transfer)
+            op.parked = None
+            if agreed:  # (`_finish`, inline: this is every small collective's end)
+                op.finished = True
+                op.block = op.gathered = None
+                order = self._order
+                while order and order[0].finished:
+                    order.popleft()
+                try:  # settle: the parked call's result, from the blocks
+                    fold = parked.fold
+                    if fold is not None:  # an allreduce (`blocks.settle`'s, inline)
+                        rows, ufunc = fold
+                        res = parked.res
+                        ufunc(rows[0], rows[1], out=res)
+                        for row in rows[2:]:
+                            ufunc(res, row, out=res)
+                    else:
+                        parked.settle()
+                    settled = SETTLED
+                except Exception:  # a bug in the model fails this call, and nothing else
+                    log.exception("soft CCLO: internal error settling a collective")
+                    settled = BROKEN
+                events.append((op.opening.set, (settled,)))
+                return
         moving = False
         gone = self._ended[0] if self._ended and agreed and op.transfer is not None else None
         if gone is not None:
@@ -461,20 +607,28 @@ class Lane:
             except Exception as error:  # (a peer died)
                 events.append((moved.set, (str(error),)))
                 self._finish(op)
-        if not moving:  # (`_finish`, inline: this is every small collective's end)
-            op.finished = True
-            op.block = op.gathered = op.transfer = None
-            order = self._order
-            while order and order[0].finished:
-                order.popleft()
-        events.append((op.opening.set, ((gathered, agreed, moving),)))
+        if not moving:
+            self._finish(op)
+        events.append((op.opening.set, ((bytearray(gathered), agreed, moving),)))
 
-    def _finish(self, op: Op) -> None:
+    def _finish(self, op: Op, held: bool = False) -> None:
         op.finished = True
-        op.block = op.gathered = op.transfer = None
+        op.block = op.gathered = None
+        if not held:  # (else `_hold` keeps its transfer's buffers)
+            op.transfer = None
         order = self._order
         while order and order[0].finished:
             order.popleft()
+
+    def _hold(self, request: Any, op: Op) -> None:
+        """MPI failed a test of `request` (a peer died, most often), which need not
+        have ended it: what it may still write into is kept to the process's end, with
+        the lane (`idle` is False from now on), and the persistent opening is never
+        started again (a later opening is an Iallgather)."""
+        if not isinstance(request, _Failed):
+            self._graveyard.append((request, op))
+        if request is self._request:
+            self._request = None
 
     def abandoned(self, op: Op, why: str) -> None:
         """The call ended while its opening is in flight: the calls queued behind it
@@ -541,13 +695,14 @@ def _operands(call: ScheduleCall) -> tuple[Datapath, np.ndarray | None, np.ndarr
     return path, op0, res
 
 
-Fold = tuple[np.dtype, int, int, Callable[..., Any]]
-"""How an allreduce whose data rides in the opening settles (`_shape`): the rows of
-the gathered blocks (dtype, count, ranks) folded with a ufunc, in rank order."""
+Fold = tuple[tuple[np.ndarray, ...], Callable[..., Any]]
+"""How an allreduce whose data rides in the opening settles (`_shape`): every rank's
+row of the lane's gathered blocks (views made once), folded with a ufunc in rank
+order."""
 Shape = tuple[int, int, int, Fold | None]
 
 
-def _shape(call: ScheduleCall, fp: Fingerprint) -> Shape | bool:
+def _shape(lane: Lane, call: ScheduleCall, fp: Fingerprint) -> Shape | bool:
     """For `Lane.shapes`: (elements this rank puts in its block, reach into the
     operand, reach into the result, and for an allreduce that the datapath adds in
     its own type the fold that settles it) if the call's data rides in its opening."""
@@ -560,7 +715,9 @@ def _shape(call: ScheduleCall, fp: Fingerprint) -> Shape | bool:
     scenario, count, dtype, _, _, _, size = fp
     if scenario == Scenario.ALLREDUCE and count and reach[2] == count and path is not None \
             and path.dtype == path.arith == np.dtype(dtype):  # (`Datapath.combine`'s case)
-        fold = (path.arith, count, size, path.ufunc)
+        rows = np.ndarray((size, count), path.arith, lane._gathered, blocks.HEAD,
+                          (BLOCK, path.arith.itemsize))
+        fold = (tuple(rows), path.ufunc)
     return blocks.share(fp, comm.rank) if reach[0] else 0, reach[0], reach[2], fold
 
 
@@ -593,7 +750,7 @@ class LaneTurn(Collective):
         lane = self.lane  # (`Lane.admit` and `Op.__init__`, inline: on every collective's path)
         self.op = op = _new(Op)
         op.index, op.fp = lane._admitted, call.fp  # (its fingerprint: see Lane._pump)
-        op.block = op.transfer = op.turn = op.moved = op.gathered = None
+        op.block = op.transfer = op.turn = op.moved = op.gathered = op.parked = None
         op.issued = op.finished = False
         op.opening = opening = _new(Opening)
         opening.done, opening.value, opening.waiter = False, None, None
@@ -621,7 +778,7 @@ class LaneTurn(Collective):
         if shape is None:
             if len(lane.shapes) >= SHAPES_KEPT:
                 lane.shapes.clear()
-            shape = lane.shapes[fp] = _shape(call, fp)
+            shape = lane.shapes[fp] = _shape(lane, call, fp)
         if shape is False:
             return False
         mine, reach0, reach2, fold = shape  # type: ignore[misc]
@@ -629,17 +786,16 @@ class LaneTurn(Collective):
         assert path is not None  # (decoded at admission)
         op0 = dev.array(args.addr_0, path.dtype, reach0) if reach0 else None
         res = dev.array(args.addr_2, path.dtype, reach2) if reach2 else None
-        template = blocks.TEMPLATES.get(fp)
-        block = bytearray(template if template is not None else blocks.template(fp))
-        if mine and op0 is not None:
-            block[blocks.HEAD:blocks.HEAD + mine * op0.itemsize] = \
-                (op0 if mine == reach0 else op0[:mine]).tobytes()
+        data = (op0 if mine == reach0 else op0[:mine]).tobytes() \
+            if mine and op0 is not None else None
         self.begun = True
-        lane.begin(op, block)
-        opening = op.opening
-        if op.turn is not TAKEN or opening.done:  # it waits for its turn, or failed to take it
-            return False
+        # (set before the opening starts: it may end, and settle, on another thread)
         self.call, self.op0, self.res, self.fold = call, op0, res, fold
+        if not lane.begin(op, fp, data, self):  # it waits for its turn: the body's
+            self.call = self.op0 = self.res = self.fold = None
+            lane.start(op, blocks.opening(fp, data), None)
+            return False
+        opening = op.opening
         opening.turn = self
         opening.waiter = self._opened
         call.waiting = opening
@@ -656,45 +812,40 @@ class LaneTurn(Collective):
         assert op is not None and fp is not None and comm is not None
         self.begun = True
         mine = blocks.share(fp, comm.rank) if inline and op0 is not None else 0
-        block = blocks.opening(fp, op0[:mine] if mine and op0 is not None else None)
+        block = blocks.opening(fp, op0[:mine].tobytes() if mine and op0 is not None else None)
         moves = None
         if not inline and runs_natively(fp):
             moves = transfer(self.lane.comm, fp, comm.rank, op0, res)
         self.lane.start(op, block, moves)
 
+    def settle(self) -> None:
+        """The blocks of our parked call's opening agree (`Lane._opened`, with the
+        lane's lock, on the thread that saw it end, before another opening reuses
+        them): write our result (an allreduce's fold is the lane's own)."""
+        call = self.call
+        assert call is not None
+        comm, path = call.comm, call.path
+        assert comm is not None and path is not None
+        blocks.settle(call.fp, comm.rank, self.lane._gathered,  # type: ignore[arg-type]
+                      self.op0, self.res, path.combine)
+
     def _opened(self, wait: Wait) -> None:
-        """The opening of our call with no body ended (engine context: an event):
-        settle the data and end the call, or let its body take over."""
+        """The opening of our call with no body ended (engine context: an event): end
+        the call (its result is in place: `settle`), or let its body take over."""
         call = self.call
         assert call is not None and isinstance(wait, Opening)
         wait.turn = self.call = None
         call.waiting = None
         del self.lane.alarm.parked[self]
         opened = wait.value
-        if type(opened) is tuple and opened[1]:  # (gathered, agreed, moving): all agree
-            op0, res, comm, path, fold = self.op0, self.res, call.comm, call.path, self.fold
-            self.op0 = self.res = None
-            assert comm is not None and path is not None
-            try:
-                if fold is not None:  # an allreduce: `blocks.settle`'s, inline
-                    dtype, count, size, ufunc = fold
-                    parts = np.ndarray((size, count), dtype, opened[0], blocks.HEAD,
-                                       (BLOCK, dtype.itemsize))
-                    ufunc(parts[0], parts[1], out=res)
-                    for k in range(2, size):
-                        ufunc(res, parts[k], out=res)
-                else:
-                    blocks.settle(call.fp, comm.rank, opened[0], op0,  # type: ignore[arg-type]
-                                  res, path.combine)
-            except Exception:  # a bug in the model fails this call, and nothing else
-                log.exception("soft CCLO %d: internal error settling a collective",
-                              call.dev.session)
-                call.abandon()
-                call.finish(int(ErrorCode.DMA_INTERNAL_ERROR))
-                return
+        self.op0 = self.res = self.fold = None
+        if opened is SETTLED:
             call.finish(0)
             return
-        self.op0 = self.res = None
+        if opened is BROKEN:
+            call.abandon()
+            call.finish(int(ErrorCode.DMA_INTERNAL_ERROR))
+            return
         call.body = call.run()  # a verdict, a pending peer, a failure: as the body says
         call.resume(None)
 
@@ -704,7 +855,9 @@ class LaneTurn(Collective):
         call = self.call
         if call is None:
             return
-        self.call = self.op0 = self.res = None
+        if self.op is not None:
+            self.lane.unpark(self.op)
+        self.call = self.op0 = self.res = self.fold = None
         self.lane.alarm.parked.pop(self, None)
         if not call.failure and call.aborting is None:  # its deadline: it gave up
             self.leave(call, RECEIVE_TIMEOUT, None, timed_out=True)

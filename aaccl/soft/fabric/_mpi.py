@@ -294,12 +294,15 @@ class MPIFabric:
             # the lane's collective first (the awaited call's, most often): what came
             # before its end is taken before its end is told (`_drain`)
             came = lane is not None and lane.poll(self._drain)
+            # (once something of the lane's ended, `_drain` took every message MPI had)
             # MPICH's Improbe matches what it has already taken in, then makes
             # progress: a message that came during a nap is found by a second probe,
             # unless the lane's test made progress just now
-            message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            message = None if came else self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
             if message is None and came is None:
                 message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            elif message is None and came is False and lane is not None:
+                came = lane.poll(self._drain)  # the probe made progress: test again
             if message is not None:
                 self._take(message, status)
             if self._arriving:
@@ -796,17 +799,20 @@ class MPIFabric:
         self._stop()
         if self._fetches:  # a payload never sent (its receive failed): MPI matches on
             done = False
-        if self.lane is not None and not self.lane.idle:
+        lane = self.lane
+        if lane is not None and not lane.idle:
             # a collective MPI will never finish (a peer gave up on it, or is gone):
             # MPI_Finalize would wait for it
             done = False
         if not done or self._thread.is_alive():  # a peer is gone, or MPI hangs in here
+            if lane is not None:
+                lane.close(free=False)
             watch_exit()
             return
         self._reap()
         self.comm.Free()
-        if self.lane is not None and self.lane.idle:  # (else MPI still matches with it)
-            self.lane.comm.Free()
+        if lane is not None:  # (if MPI still matches with it meanwhile, it is kept)
+            lane.close(free=True)
 
     def _stop(self) -> None:
         """Stop the progress thread and wait (up to JOIN_LIMIT) until it is out of MPI."""
@@ -960,6 +966,8 @@ def _at_exit() -> None:
     job's status is 130 if every rank got out first, else 9.)"""
     for fabric in list(_open):
         fabric._stop()  # (a `close` under way on another thread stops waiting too)
+        if fabric.lane is not None and not fabric._thread.is_alive():
+            fabric.lane.close(free=False)  # (its inactive MPI request is freed before MPI_Finalize)
     with _closing:  # and none frees its communicators while MPI is finalized
         _closing.wait_for(lambda: _closes == 0, JOIN_LIMIT)
     error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
