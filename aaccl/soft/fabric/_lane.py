@@ -126,17 +126,18 @@ class Opening(Matched):
         return True
 
 
-def _keep(lane: Lane) -> None:
-    """Keep `lane`, a closed world's whose collectives MPI may not have finished, and
-    all it holds that MPI may still write into (a transfer's operand and result, the
-    openings' buffers), to the very end of the process: a reference nothing drops. A
+def keep_to_exit(holder: object) -> None:
+    """Keep `holder` (a closed world's lane or fabric, whose transfers MPI may not
+    have finished) and all it holds that MPI may still write into (a transfer's
+    operand and result, the openings' buffers, a payload's receive), to the very end
+    of the process: a reference nothing drops. A
     module's list would not do: mpi4py finalizes MPI after the interpreter has torn
     its modules down and freed their objects (Py_AtExit), and MPI_Finalize still
     delivers what a peer sends to a collective left unfinished (a Ctrl-C under
     `aaccl launch`: a peer's 4 KiB of an allreduce that a departed rank's leaving
     ended here, written into freed device memory, "malloc(): unsorted double linked
     list corrupted")."""
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(lane))
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(holder))
 
 
 SETTLED, BROKEN = ("settled",), ("broken",)
@@ -364,7 +365,7 @@ class Lane:
                 request.Free()  # (inactive: freed before MPI_Finalize, as MPI asks)
                 self._request = None  # (freed once: `close` may come twice, see _at_exit)
             if not (free and self.idle):
-                _keep(self)
+                keep_to_exit(self)
                 return
         self.comm.Free()
 

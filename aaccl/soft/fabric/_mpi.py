@@ -69,7 +69,7 @@ from ..._errors import Aborted
 from .._engine import Engine, Wait
 from . import _blocks as blocks
 from ._inbox import Inbox
-from ._lane import Lane, LaneTurn
+from ._lane import Lane, LaneTurn, keep_to_exit
 from ._message import Collective, Key, Message, MessageState, Port
 
 if TYPE_CHECKING:
@@ -807,12 +807,21 @@ class MPIFabric:
         if not done or self._thread.is_alive():  # a peer is gone, or MPI hangs in here
             if lane is not None:
                 lane.close(free=False)
+            self._keep_receiving()
             watch_exit()
             return
         self._reap()
         self.comm.Free()
         if lane is not None:  # (if MPI still matches with it meanwhile, it is kept)
             lane.close(free=True)
+
+    def _keep_receiving(self) -> None:
+        """A world closed with payloads' receives still posted (a peer is gone, or
+        never sent what it announced): MPI may still write into their buffers, up to
+        MPI_Finalize, which comes after the interpreter's teardown. So the fabric, which
+        holds them, is kept to the process's end (`keep_to_exit`)."""
+        if self._arriving or self._fetches:
+            keep_to_exit(self)
 
     def _stop(self) -> None:
         """Stop the progress thread and wait (up to JOIN_LIMIT) until it is out of MPI."""
@@ -966,6 +975,7 @@ def _at_exit() -> None:
     job's status is 130 if every rank got out first, else 9.)"""
     for fabric in list(_open):
         fabric._stop()  # (a `close` under way on another thread stops waiting too)
+        fabric._keep_receiving()  # (the teardown frees what is not kept)
         if fabric.lane is not None and not fabric._thread.is_alive():
             fabric.lane.close(free=False)  # (its inactive MPI request is freed before MPI_Finalize)
     with _closing:  # and none frees its communicators while MPI is finalized
