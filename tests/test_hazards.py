@@ -141,6 +141,22 @@ def test_a_call_alone_beside_superseded_ones_is_one_slot_and_each_is_forgotten()
     assert not h and len(h) == 0
 
 
+def test_the_books_may_be_asked_whether_memory_is_in_use_while_a_call_goes() -> None:
+    """A rank asks `uses` without its lock (ACCL._submit): the call in the one slot may
+    be forgotten meanwhile, by the thread that completed it (here: while `uses` reads
+    the spans it was asked about), and `uses` still answers."""
+    h: Hazards[str] = Hazards()
+    h.add("alone", reads=[rd(A, 0, 8)])
+
+    class ForgottenMeanwhile(list):  # type: ignore[type-arg]
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            h.discard("alone")  # (as ACCL._forget does, on the completing thread)
+            return super().__iter__()
+
+    assert not h.uses([rd(B, 0, 4)], ForgottenMeanwhile([rd(B, 8, 12)]))
+    assert not h and h.uses([rd(A, 0, 4)]) is False
+
+
 class ByteModel:
     """The tracker's meaning, one byte at a time: each byte's last unfinished writer
     and the unfinished readers since."""

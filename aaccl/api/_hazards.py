@@ -118,10 +118,11 @@ class Hazards(Generic[K]):
     def uses(self, reads: Iterable[Span], writes: Iterable[Span] = ()) -> bool:
         """Whether an unfinished call uses any of these spans' allocations: if not, a
         call on them conflicts with nothing (O(1) per span)."""
-        if self._one_spans is not None:  # (then no allocation has a region or lone call)
+        one = self._one_spans  # (read once: a rank asks without its lock, see _submit)
+        if one is not None:  # (then no allocation has a region or lone call)
             for spans in (reads, writes):
                 for base, _, _ in spans:
-                    for accesses in self._one_spans:
+                    for accesses in one:
                         for other, _, _ in accesses:
                             if other == base:
                                 return True
