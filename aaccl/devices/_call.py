@@ -274,11 +274,12 @@ class Call:
         already (a nop, the last rank of a meeting, a refusal): then its outcome is
         worked out here, and `on_done` never runs."""
         self._name, self._origin, self._buffers, self._deps = name, origin, buffers, deps
-        with self._lock:
-            if not self._settled:
-                self.owner, self._finish, self._on_done = owner, finish, on_done
-                return True
-            self.owner = owner
+        if not self._settled:  # (once settled it stays so: a nop's needs no lock)
+            with self._lock:
+                if not self._settled:
+                    self.owner, self._finish, self._on_done = owner, finish, on_done
+                    return True
+        self.owner = owner
         if self.retcode or self.aborted or self.error is not None or finish is not None:
             self._finish = finish
             self._conclude()
@@ -457,8 +458,11 @@ class Call:
         # One report per failure. A failure is logged unless someone retrieved it (itself or
         # through a dependent's DependencyError): the warning would add nothing. A call
         # that did not fail (or never finished) and was never used warns.
-        error = getattr(self, "_error", None)  # (None too if __init__ never ran)
-        if error is None and getattr(self, "_used", True) or self.owner is None:
+        try:
+            error, used, owner = self._error, self._used, self.owner
+        except AttributeError:  # __init__ never ran
+            return
+        if error is None and used or owner is None:
             return  # used and ended well, or a device's own call: nobody was to await it
         if error is not None:
             # an Aborted call's world ended early: that cause is reported, not each call;
