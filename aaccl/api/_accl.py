@@ -328,7 +328,7 @@ class ACCL:
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
 
-    def _submit(self, op: str, scenario: Scenario, waitfor: Calls, *,
+    def _submit(self, op: str, scenario: Scenario, waitfor: Calls,
                 sync_in: Sequence[Buffer] = (), sync_out: Buffer | None = None,
                 buffers: tuple[Buffer | None, Buffer | None, Buffer | None] = (None, None, None),
                 reads: tuple[Span, ...] = (), writes: tuple[Span, ...] = (),
@@ -342,7 +342,8 @@ class ACCL:
         with, and track it. `addrs`: the device addresses of `buffers`, where the
         caller has them at hand. `depth`: the user's frame as seen from `_track` (3 for
         a public method calling this one). The rest is the call, for `Driver.start`
-        (`comm_id` None: a call without a communicator)."""
+        (`comm_id` None: a call without a communicator). (Every argument may come by
+        position, as `_all`'s do: keywords cost on every call's path.)"""
         if self._closed:
             self._check_open()
         if sync_out is not None and not sync_out.flags.writeable:
@@ -896,12 +897,13 @@ class ACCL:
                 check.buffers(sbuf, rbuf, self, ins, outs)  # (raises, naming the buffer)
             reads = ((sa.address, s_at, s_at + ins * sbuf.itemsize),) if count else ()
             writes = ((da.address, d_at, d_at + outs * rbuf.itemsize),) if count else ()
-            return self._submit(  # (depth: _track <- _submit <- _all <- allreduce <- user)
-                op, scenario, waitfor, count=count, comm_id=comm_id, function=function, depth=4,
-                dtype=dtype, compress_dtype=compress_dtype, buffers=(sbuf, rbuf, rbuf),
-                reads=reads, writes=writes, addrs=(s_at, d_at, d_at),
-                sync_in=() if from_fpga else (_head(sbuf, ins),),
-                sync_out=None if to_fpga else _head(rbuf, outs))
+            # by position (`_submit`'s order); depth 4: _track <- _submit <- _all <- allreduce
+            # <- user
+            return self._submit(
+                op, scenario, waitfor, () if from_fpga else (_head(sbuf, ins),),
+                None if to_fpga else _head(rbuf, outs), (sbuf, rbuf, rbuf), reads, writes,
+                (s_at, d_at, d_at), 4, count, comm_id, 0, function, TAG_ANY, dtype,
+                compress_dtype)
         except (TypeError, ValueError) as exc:
             self._rejected(op, comm_id, exc)
             raise

@@ -242,11 +242,14 @@ class Call:
             except Exception:  # its own failure: the waiters still wake
                 log.exception("aaccl: bookkeeping of a finished call failed")
         if wakers:
+            ident = _ident()
             for wake in wakers:
-                if isinstance(wake, _Future):  # (any loop's future: uvloop's too)
-                    _wake(wake)
-                else:
+                if not isinstance(wake, _Future):  # (any loop's future is one: uvloop's too)
                     wake()
+                elif getattr(wake.get_loop(), "_thread_id", None) != ident:
+                    _wake(wake)  # (another thread's loop, or one that does not say)
+                elif not wake.done():  # (`_wake`'s common case in line: a task of our loop)
+                    wake.set_result(None)
         if callbacks:
             _run_callbacks(self, callbacks)
 

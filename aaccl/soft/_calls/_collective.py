@@ -58,15 +58,18 @@ class CollectiveCall(SoftCall):
             comm = dev.comm(args.comm)
         else:
             comm, self.path, self.fp, self.way = known
-        self.comm = comm
-        self.seq = seq = dev.inbox.coll_seq.get(comm.key, 0)  # (`Inbox.admit`, inline)
-        dev.inbox.coll_seq[comm.key] = seq + 1
+        self.comm, inbox = comm, dev.inbox
+        self.seq = seq = inbox.coll_seq.get(comm.key, 0)  # (`Inbox.admit`, inline)
+        inbox.coll_seq[comm.key] = seq + 1
         self.prefix = prefix = ("coll", comm.key, seq)
         if self.way is None:  # (not remembered: the port says, for this call)
             self.way = dev.port.collective(self)
             if known is None:
                 self._decode(comm, self.way)
-        failure = dev.inbox.join(prefix, dev.session, self.fp, self._peer_failed)
+        if inbox._failed or inbox._seen:  # peers' messages for calls not joined (rarely)
+            failure = inbox.join(prefix, dev.session, self.fp, self._peer_failed)
+        else:  # (`Inbox.join`'s common case, in line: nothing came before us to check)
+            inbox.members[prefix], failure = (dev.session, self.fp, self._peer_failed), None
         differs = None if self.way is None else self.way.join(self)
         if failure is not None or differs is not None:
             code, why, notified = failure or (*differs, False)  # type: ignore[misc]

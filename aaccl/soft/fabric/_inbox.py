@@ -355,7 +355,8 @@ class Inbox:
              fail: Callable[[int, str, bool], None]) -> tuple[int, str, bool] | None:
         """Our call of collective `prefix` is admitted: check it against what peers
         sent for it already (and whether one of them failed it); later arrivals are
-        checked as they come, and `fail(code, why, notified)` ends our call."""
+        checked as they come, and `fail(code, why, notified)` ends our call.
+        (`CollectiveCall.prepare` makes the common case, nothing come before, in line.)"""
         if self._failed or self._seen:  # did something come for it before? (rarely)
             failed = self._failed.pop(prefix, None)
             seen = self._seen.pop(prefix, None)
