@@ -283,13 +283,14 @@ class Lane:
         if events:
             self._emit(events)
 
-    def begin(self, op: Op, fp: Fingerprint, data: bytes | None, parked: LaneTurn) -> bool:
+    def begin(self, op: Op, fp: Fingerprint, data: bytes | None, parked: LaneTurn,
+              now: float) -> bool:
         """`start` for a running call with no transfer (its `data` rides in its block)
         whose op is the lane's only one queued while nothing holds the lane back (the
         common small collective): its opening starts at once, here, its turn is over
         (TAKEN), and `parked` settles the call at the opening's end (`_opened`). False
         if anything else is the case: the caller goes the general way (`start`).
-        Engine context."""
+        Engine context; `now`: time.monotonic(), read by the caller."""
         with self._lock:
             queue = self._queue
             if (self._opening is None and not self.stuck and len(queue) == 1
@@ -320,7 +321,7 @@ class Lane:
                 op.block, op.gathered, op.issued, op.turn = send, self._gathered, True, TAKEN
                 op.parked = parked
                 self._opening = (request, op)
-                self._spin_until = time.monotonic() + OPENING_SPIN
+                self._spin_until = now + OPENING_SPIN
                 return True
         return False
 
@@ -582,9 +583,9 @@ class Lane:
                     if fold is not None:  # an allreduce (`blocks.settle`'s, inline)
                         rows, ufunc = fold
                         res = parked.res
-                        ufunc(rows[0], rows[1], out=res)
+                        ufunc(rows[0], rows[1], res)  # (`out` by position: half the cost)
                         for row in rows[2:]:
-                            ufunc(res, row, out=res)
+                            ufunc(res, row, res)
                     else:
                         parked.settle()
                     settled = SETTLED
@@ -792,7 +793,8 @@ class LaneTurn(Collective):
         self.begun = True
         # (set before the opening starts: it may end, and settle, on another thread)
         self.call, self.op0, self.res, self.fold = call, op0, res, fold
-        if not lane.begin(op, fp, data, self):  # it waits for its turn: the body's
+        now = time.monotonic()  # (the opening's spin and the call's deadline count from it)
+        if not lane.begin(op, fp, data, self, now):  # it waits for its turn: the body's
             self.call = self.op0 = self.res = self.fold = None
             lane.start(op, blocks.opening(fp, data), None)
             return False
@@ -801,7 +803,7 @@ class LaneTurn(Collective):
         opening.waiter = self._opened
         call.waiting = opening
         alarm = lane.alarm  # (`Alarm.park`, inline: on every small collective's path)
-        alarm.parked[self] = deadline = time.monotonic() + dev.timeout
+        alarm.parked[self] = deadline = now + dev.timeout
         if deadline < alarm.at:
             alarm.set(dev.timeout, deadline)
         return True
