@@ -702,6 +702,9 @@ Fold = tuple[tuple[np.ndarray, ...], Callable[..., Any]]
 row of the lane's gathered blocks (views made once), folded with a ufunc in rank
 order."""
 Shape = tuple[int, int, int, Fold | None]
+Views = tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None, Fold | None]
+"""A call's operand and result, the part of its operand its block carries, and its
+fold (`LaneTurn._views`)."""
 
 
 def _shape(lane: Lane, call: ScheduleCall, fp: Fingerprint) -> Shape | bool:
@@ -773,23 +776,17 @@ class LaneTurn(Collective):
     def start(self, call: ScheduleCall) -> bool:
         """Run a collective whose data rides in the opening with no body, when its
         opening starts at once: True once it is parked on it; False for the body."""
-        op, fp, lane, dev = self.op, call.fp, self.lane, call.dev
+        op, fp, lane, dev, args = self.op, call.fp, self.lane, call.dev, call.args
         if op is None or fp is None or dev.gone:  # (a peer left: the body's)
             return False
-        shape = lane.shapes.get(fp)
-        if shape is None:
-            if len(lane.shapes) >= SHAPES_KEPT:
-                lane.shapes.clear()
-            shape = lane.shapes[fp] = _shape(lane, call, fp)
-        if shape is False:
+        key = (fp, args.addr_0, args.addr_2)  # (a fingerprint first: no key of `array`'s)
+        ours = dev.views.get(key)
+        if ours is None:
+            ours = self._views(call, fp, key)
+        if ours is False:
             return False
-        mine, reach0, reach2, fold = shape  # type: ignore[misc]
-        args, path = call.args, call.path
-        assert path is not None  # (decoded at admission)
-        op0 = dev.array(args.addr_0, path.dtype, reach0) if reach0 else None
-        res = dev.array(args.addr_2, path.dtype, reach2) if reach2 else None
-        data = (op0 if mine == reach0 else op0[:mine]).tobytes() \
-            if mine and op0 is not None else None
+        op0, res, mine, fold = ours  # type: ignore[misc]
+        data = mine.tobytes() if mine is not None else None
         self.begun = True
         # (set before the opening starts: it may end, and settle, on another thread)
         self.call, self.op0, self.res, self.fold = call, op0, res, fold
@@ -807,6 +804,28 @@ class LaneTurn(Collective):
         if deadline < alarm.at:
             alarm.set(dev.timeout, deadline)
         return True
+
+    def _views(self, call: ScheduleCall, fp: Fingerprint, key: tuple[Any, ...]) -> Views | bool:
+        """For `start`, kept in the CCLO's views under `key` until memory is freed (a
+        loop of small calls on the same buffers makes them once): the call's operand
+        and result in device memory as far as it reaches into them, the part of the
+        operand its block carries, and its fold (`_shape`); False if its data does not
+        ride in the opening."""
+        lane, dev, args, path = self.lane, call.dev, call.args, call.path
+        shape = lane.shapes.get(fp)
+        if shape is None:
+            if len(lane.shapes) >= SHAPES_KEPT:
+                lane.shapes.clear()
+            shape = lane.shapes[fp] = _shape(lane, call, fp)
+        ours: Views | bool = False
+        if shape is not False:
+            assert path is not None  # (decoded at admission)
+            mine, reach0, reach2, fold = shape  # type: ignore[misc]
+            op0 = dev.array(args.addr_0, path.dtype, reach0) if reach0 else None
+            res = dev.array(args.addr_2, path.dtype, reach2) if reach2 else None
+            ours = (op0, res, None if not mine or op0 is None else op0[:mine], fold)
+        dev.views[key] = ours
+        return ours
 
     def _begin(self, call: ScheduleCall, op0: np.ndarray | None, res: np.ndarray | None,
                inline: bool) -> None:
