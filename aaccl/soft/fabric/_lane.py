@@ -581,10 +581,10 @@ class Lane:
                 try:  # settle: the parked call's result, from the blocks
                     fold = parked.fold
                     if fold is not None:  # an allreduce (`blocks.settle`'s, inline)
-                        rows, ufunc = fold
+                        first, second, rest, ufunc = fold
                         res = parked.res
-                        ufunc(rows[0], rows[1], res)  # (`out` by position: half the cost)
-                        for row in rows[2:]:
+                        ufunc(first, second, res)  # (`out` by position: half the cost)
+                        for row in rest:
                             ufunc(res, row, res)
                     else:
                         parked.settle()
@@ -697,10 +697,10 @@ def _operands(call: ScheduleCall) -> tuple[Datapath, np.ndarray | None, np.ndarr
     return path, op0, res
 
 
-Fold = tuple[tuple[np.ndarray, ...], Callable[..., Any]]
+Fold = tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...], Callable[..., Any]]
 """How an allreduce whose data rides in the opening settles (`_shape`): every rank's
-row of the lane's gathered blocks (views made once), folded with a ufunc in rank
-order."""
+row of the lane's gathered blocks (views made once: ranks 0 and 1, then the rest),
+folded with a ufunc in rank order."""
 Shape = tuple[int, int, int, Fold | None]
 Views = tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None, Fold | None]
 """A call's operand and result, the part of its operand its block carries, and its
@@ -722,7 +722,7 @@ def _shape(lane: Lane, call: ScheduleCall, fp: Fingerprint) -> Shape | bool:
             and path.dtype == path.arith == np.dtype(dtype):  # (`Datapath.combine`'s case)
         rows = np.ndarray((size, count), path.arith, lane._gathered, blocks.HEAD,
                           (BLOCK, path.arith.itemsize))
-        fold = (tuple(rows), path.ufunc)
+        fold = (rows[0], rows[1], tuple(rows[2:]), path.ufunc)
     return blocks.share(fp, comm.rank) if reach[0] else 0, reach[0], reach[2], fold
 
 

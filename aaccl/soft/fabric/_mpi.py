@@ -270,7 +270,7 @@ class MPIFabric:
         here instead of waiting for the progress thread to wake it); False if nothing
         came, or another thread is polling right now."""
         self._polled_at = time.monotonic()  # (the progress thread stays out of the way)
-        if not self._poll_lock.acquire(blocking=False):
+        if not self._poll_lock.acquire(False):  # (by position: no keyword to parse)
             return False
         try:
             came = self._poll_once()
