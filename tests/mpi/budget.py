@@ -1,10 +1,13 @@
 """The Python calls of one small allreduce over MPI, counted (tests/test_call_budget.py):
 
     mpiexec -n N python tests/mpi/budget.py allreduce
+    mpiexec -n N python tests/mpi/budget.py lines
 
 Each rank counts, with sys.setprofile, the Python function calls of its part of one
 1-element float32 allreduce on device-resident buffers (asyncio), averaged over
-TIMES calls after a warm-up, and prints `budget rank=R calls=C`.
+TIMES calls after a warm-up, and prints `budget rank=R calls=C`. `lines` counts the
+Python lines it runs instead (sys.settrace), by the same rules, and prints
+`budget rank=R lines=L` (aaccl's own, and all), then the functions that run most.
 
 What is counted is the call's own path, deterministic: the polls that find nothing
 (as many as the peer takes to answer) are left out (`MPIFabric.poll`, `_poll_once`
@@ -17,7 +20,9 @@ awaiting task's thread.
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from types import FrameType
+from typing import Any
 
 import numpy as np
 from _harness import Checks, run_suite, say
@@ -33,6 +38,14 @@ WARMUP = 100
 
 
 async def allreduce(check: Checks, accl: aaccl.ACCL) -> float:
+    return await _count(check, accl, lines=False)
+
+
+async def lines(check: Checks, accl: aaccl.ACCL) -> float:
+    return await _count(check, accl, lines=True)
+
+
+async def _count(check: Checks, accl: aaccl.ACCL, lines: bool) -> float:
     src = accl.allocate(1, np.float32)
     dst = accl.allocate(1, np.float32)
     src[:] = accl.rank + 1
@@ -43,33 +56,73 @@ async def allreduce(check: Checks, accl: aaccl.ACCL) -> float:
 
     for _ in range(WARMUP):
         await step()
-    vain = {_mpi.MPIFabric.poll.__code__, _mpi.MPIFabric._poll_once.__code__,
+    poll = _mpi.MPIFabric.poll
+    vain = {poll.__code__, _mpi.MPIFabric._poll_once.__code__,
             Lane.poll.__code__}
     calls = 0
+    ran: Counter[tuple[str, str]] = Counter()  # lines run, by (file, function)
 
     def profile(frame: FrameType, event: str, arg: object) -> None:
         nonlocal calls
         if event == "call" and frame.f_code not in vain:
             calls += 1
 
+    polled = poll.__code__
+    idle = False  # the last poll found nothing: its waiter's lines until the next poll are vain
+
+    def after_poll(frame: FrameType, event: str, arg: object) -> Any:
+        nonlocal idle
+        if event == "return":
+            idle = arg is False
+        return after_poll
+
+    def trace(frame: FrameType, event: str, arg: object) -> Any:
+        nonlocal idle
+        code = frame.f_code
+        if code in vain:  # (what it calls is traced: a successful poll's work counts)
+            if code is polled:
+                idle = False
+                return after_poll
+            return None
+        key = (code.co_filename, code.co_qualname)
+
+        def local(frame: FrameType, event: str, arg: object) -> Any:
+            if event == "line" and not idle:
+                ran[key] += 1
+            return local
+
+        return local
+
     knobs = [(_bridge, "SPIN_FOR"), (_bridge, "TURN_EVERY"), (_mpi, "SPIN")]
     saved = [getattr(module, name) for module, name in knobs]
     for module, name in knobs:
         setattr(module, name, 3600.0)
-    sys.setprofile(profile)
+    if lines:
+        sys.settrace(trace)
+    else:
+        sys.setprofile(profile)
     try:
         for _ in range(TIMES):
             await step()
     finally:
+        sys.settrace(None)
         sys.setprofile(None)
         for (module, name), value in zip(knobs, saved):
             setattr(module, name, value)  # (the progress thread must close the world)
     dst.sync_from_device()
     assert dst[0] == accl.size * (accl.size + 1) // 2, dst[0]
     check()
-    say(f"budget rank={accl.rank} calls={calls / TIMES:.2f}")
-    return calls / TIMES
+    if not lines:
+        say(f"budget rank={accl.rank} calls={calls / TIMES:.2f}")
+        return calls / TIMES
+    own = sum(n for (path, _), n in ran.items() if "/aaccl/" in path)
+    report = [f"budget rank={accl.rank} lines={own / TIMES:.2f} "
+              f"all={sum(ran.values()) / TIMES:.2f}"]
+    report += [f"  {n / TIMES:6.2f} {path.rpartition('/')[2]}:{name}"
+               for (path, name), n in ran.most_common(40)]
+    say("\n".join(report))
+    return own / TIMES
 
 
 if __name__ == "__main__":
-    run_suite({"allreduce": allreduce})
+    run_suite({"allreduce": allreduce, "lines": lines})

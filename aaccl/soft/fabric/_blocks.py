@@ -156,7 +156,7 @@ def agree(gathered: Raw, size: int) -> bool:
     if not first.startswith(_RUNNING):
         return False
     for start in range(BLOCK, size * BLOCK, BLOCK):  # (a loop: no generator to resume)
-        if raw[start:start + HEAD] != first:
+        if not raw.startswith(first, start):  # (no slice to copy)
             return False
     return True
 

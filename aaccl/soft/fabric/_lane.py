@@ -283,13 +283,14 @@ class Lane:
         if events:
             self._emit(events)
 
-    def begin(self, op: Op, fp: Fingerprint, data: bytes | None, parked: LaneTurn) -> bool:
+    def begin(self, op: Op, fp: Fingerprint, data: bytes | None, parked: LaneTurn,
+              now: float) -> bool:
         """`start` for a running call with no transfer (its `data` rides in its block)
         whose op is the lane's only one queued while nothing holds the lane back (the
         common small collective): its opening starts at once, here, its turn is over
         (TAKEN), and `parked` settles the call at the opening's end (`_opened`). False
         if anything else is the case: the caller goes the general way (`start`).
-        Engine context."""
+        Engine context; `now`: time.monotonic(), read by the caller."""
         with self._lock:
             queue = self._queue
             if (self._opening is None and not self.stuck and len(queue) == 1
@@ -320,7 +321,7 @@ class Lane:
                 op.block, op.gathered, op.issued, op.turn = send, self._gathered, True, TAKEN
                 op.parked = parked
                 self._opening = (request, op)
-                self._spin_until = time.monotonic() + OPENING_SPIN
+                self._spin_until = now + OPENING_SPIN
                 return True
         return False
 
@@ -580,11 +581,11 @@ class Lane:
                 try:  # settle: the parked call's result, from the blocks
                     fold = parked.fold
                     if fold is not None:  # an allreduce (`blocks.settle`'s, inline)
-                        rows, ufunc = fold
+                        first, second, rest, ufunc = fold
                         res = parked.res
-                        ufunc(rows[0], rows[1], out=res)
-                        for row in rows[2:]:
-                            ufunc(res, row, out=res)
+                        ufunc(first, second, res)  # (`out` by position: half the cost)
+                        for row in rest:
+                            ufunc(res, row, res)
                     else:
                         parked.settle()
                     settled = SETTLED
@@ -696,11 +697,14 @@ def _operands(call: ScheduleCall) -> tuple[Datapath, np.ndarray | None, np.ndarr
     return path, op0, res
 
 
-Fold = tuple[tuple[np.ndarray, ...], Callable[..., Any]]
+Fold = tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...], Callable[..., Any]]
 """How an allreduce whose data rides in the opening settles (`_shape`): every rank's
-row of the lane's gathered blocks (views made once), folded with a ufunc in rank
-order."""
+row of the lane's gathered blocks (views made once: ranks 0 and 1, then the rest),
+folded with a ufunc in rank order."""
 Shape = tuple[int, int, int, Fold | None]
+Views = tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None, Fold | None]
+"""A call's operand and result, the part of its operand its block carries, and its
+fold (`LaneTurn._views`)."""
 
 
 def _shape(lane: Lane, call: ScheduleCall, fp: Fingerprint) -> Shape | bool:
@@ -718,7 +722,7 @@ def _shape(lane: Lane, call: ScheduleCall, fp: Fingerprint) -> Shape | bool:
             and path.dtype == path.arith == np.dtype(dtype):  # (`Datapath.combine`'s case)
         rows = np.ndarray((size, count), path.arith, lane._gathered, blocks.HEAD,
                           (BLOCK, path.arith.itemsize))
-        fold = (tuple(rows), path.ufunc)
+        fold = (rows[0], rows[1], tuple(rows[2:]), path.ufunc)
     return blocks.share(fp, comm.rank) if reach[0] else 0, reach[0], reach[2], fold
 
 
@@ -772,27 +776,22 @@ class LaneTurn(Collective):
     def start(self, call: ScheduleCall) -> bool:
         """Run a collective whose data rides in the opening with no body, when its
         opening starts at once: True once it is parked on it; False for the body."""
-        op, fp, lane, dev = self.op, call.fp, self.lane, call.dev
+        op, fp, lane, dev, args = self.op, call.fp, self.lane, call.dev, call.args
         if op is None or fp is None or dev.gone:  # (a peer left: the body's)
             return False
-        shape = lane.shapes.get(fp)
-        if shape is None:
-            if len(lane.shapes) >= SHAPES_KEPT:
-                lane.shapes.clear()
-            shape = lane.shapes[fp] = _shape(lane, call, fp)
-        if shape is False:
+        key = (fp, args.addr_0, args.addr_2)  # (a fingerprint first: no key of `array`'s)
+        ours = dev.views.get(key)
+        if ours is None:
+            ours = self._views(call, fp, key)
+        if ours is False:
             return False
-        mine, reach0, reach2, fold = shape  # type: ignore[misc]
-        args, path = call.args, call.path
-        assert path is not None  # (decoded at admission)
-        op0 = dev.array(args.addr_0, path.dtype, reach0) if reach0 else None
-        res = dev.array(args.addr_2, path.dtype, reach2) if reach2 else None
-        data = (op0 if mine == reach0 else op0[:mine]).tobytes() \
-            if mine and op0 is not None else None
+        op0, res, mine, fold = ours  # type: ignore[misc]
+        data = mine.tobytes() if mine is not None else None
         self.begun = True
         # (set before the opening starts: it may end, and settle, on another thread)
         self.call, self.op0, self.res, self.fold = call, op0, res, fold
-        if not lane.begin(op, fp, data, self):  # it waits for its turn: the body's
+        now = time.monotonic()  # (the opening's spin and the call's deadline count from it)
+        if not lane.begin(op, fp, data, self, now):  # it waits for its turn: the body's
             self.call = self.op0 = self.res = self.fold = None
             lane.start(op, blocks.opening(fp, data), None)
             return False
@@ -801,10 +800,32 @@ class LaneTurn(Collective):
         opening.waiter = self._opened
         call.waiting = opening
         alarm = lane.alarm  # (`Alarm.park`, inline: on every small collective's path)
-        alarm.parked[self] = deadline = time.monotonic() + dev.timeout
+        alarm.parked[self] = deadline = now + dev.timeout
         if deadline < alarm.at:
             alarm.set(dev.timeout, deadline)
         return True
+
+    def _views(self, call: ScheduleCall, fp: Fingerprint, key: tuple[Any, ...]) -> Views | bool:
+        """For `start`, kept in the CCLO's views under `key` until memory is freed (a
+        loop of small calls on the same buffers makes them once): the call's operand
+        and result in device memory as far as it reaches into them, the part of the
+        operand its block carries, and its fold (`_shape`); False if its data does not
+        ride in the opening."""
+        lane, dev, args, path = self.lane, call.dev, call.args, call.path
+        shape = lane.shapes.get(fp)
+        if shape is None:
+            if len(lane.shapes) >= SHAPES_KEPT:
+                lane.shapes.clear()
+            shape = lane.shapes[fp] = _shape(lane, call, fp)
+        ours: Views | bool = False
+        if shape is not False:
+            assert path is not None  # (decoded at admission)
+            mine, reach0, reach2, fold = shape  # type: ignore[misc]
+            op0 = dev.array(args.addr_0, path.dtype, reach0) if reach0 else None
+            res = dev.array(args.addr_2, path.dtype, reach2) if reach2 else None
+            ours = (op0, res, None if not mine or op0 is None else op0[:mine], fold)
+        dev.views[key] = ours
+        return ours
 
     def _begin(self, call: ScheduleCall, op0: np.ndarray | None, res: np.ndarray | None,
                inline: bool) -> None:

@@ -270,7 +270,7 @@ class MPIFabric:
         here instead of waiting for the progress thread to wake it); False if nothing
         came, or another thread is polling right now."""
         self._polled_at = time.monotonic()  # (the progress thread stays out of the way)
-        if not self._poll_lock.acquire(blocking=False):
+        if not self._poll_lock.acquire(False):  # (by position: no keyword to parse)
             return False
         try:
             came = self._poll_once()
@@ -289,19 +289,23 @@ class MPIFabric:
     def _poll_once(self) -> bool:
         if self.buried:  # see `_bury`
             return False
-        MPI, status, lane = self._mpi, self._status, self.lane
+        MPI, lane = self._mpi, self.lane
         try:
             # the lane's collective first (the awaited call's, most often): what came
             # before its end is taken before its end is told (`_drain`)
             came = lane is not None and lane.poll(self._drain)
-            # (once something of the lane's ended, `_drain` took every message MPI had)
+            if came:  # (`_drain` took every message MPI had, and what waited behind them)
+                if self._fetches:
+                    self._fetched()
+                return True
             # MPICH's Improbe matches what it has already taken in, then makes
             # progress: a message that came during a nap is found by a second probe,
             # unless the lane's test made progress just now
-            message = None if came else self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            status = self._status
+            message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
             if message is None and came is None:
                 message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-            elif message is None and came is False and lane is not None:
+            elif message is None and lane is not None:
                 came = lane.poll(self._drain)  # the probe made progress: test again
             if message is not None:
                 self._take(message, status)
