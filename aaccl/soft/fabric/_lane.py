@@ -302,14 +302,8 @@ class Lane:
                     self._sent = fp
                 if data:
                     send[blocks.HEAD:blocks.HEAD + len(data)] = data
-                try:  # (`_open`, inline: every small collective's start)
-                    request = self._request
-                    if request is None:
-                        request = self.comm.Iallgather(send, self._gathered)
-                    else:
-                        if op.index >= self._renew_at:
-                            request = self._renew(op.index)
-                        request.Start()
+                try:
+                    request = self._open(op.index)
                 except Exception:  # MPI failed (a peer died): as `_pump` says
                     return False
                 try:  # (MPI moves data only when called: our block leaves now, not at
