@@ -357,16 +357,15 @@ class Inbox:
         sent for it already (and whether one of them failed it); later arrivals are
         checked as they come, and `fail(code, why, notified)` ends our call.
         (`CollectiveCall.prepare` makes the common case, nothing come before, in line.)"""
-        if self._failed or self._seen:  # did something come for it before? (rarely)
-            failed = self._failed.pop(prefix, None)
-            seen = self._seen.pop(prefix, None)
-            if failed is not None:
-                self._give_up(prefix)
-                return (*failed, True)
-            if seen is not None and seen[1] != fp:
-                assert fp is not None  # (a call that joins has one)
-                self._give_up(prefix)
-                return (*mismatch(fp, seen[1], session, seen[0]), False)
+        failed = self._failed.pop(prefix, None)
+        seen = self._seen.pop(prefix, None)
+        if failed is not None:
+            self._give_up(prefix)
+            return (*failed, True)
+        if seen is not None and seen[1] != fp:
+            assert fp is not None  # (a call that joins has one)
+            self._give_up(prefix)
+            return (*mismatch(fp, seen[1], session, seen[0]), False)
         self.members[prefix] = (session, fp, fail)
         return None
 
