@@ -26,7 +26,8 @@ RANKS = 4
 ALLREDUCE_BUDGET = 55
 """Python calls per rank for one 1-element float32 allreduce of 4 in-process ranks
 on device-resident buffers, asyncio.gather and the event loop's own included (about
-27 of them): 53.75 once a completion wakes a task of its own loop in line and a
+27 of them): 54.50 once the roll call's count is one method of the fabric (shared
+with a rank whose call will not run); 53.75 once a completion wakes a task of its own loop in line and a
 collective joins the inbox in line when nothing came before it; 54.75 once a call alone on its memory is one slot of the hazard books,
 a collective's common case is one test, its roll-call entry is its meeting and the
 driver keeps each dtype's encoding; 58.25 once the collectives catch their own checks' errors (no wrapper)
@@ -45,7 +46,8 @@ after issue 28's lean path; 24 at 71edb87)."""
 MPI_ALLREDUCE_BUDGET = 34
 """Python calls per rank for one 1-element float32 allreduce over MPI (2 processes,
 device-resident buffers), the polls that find nothing not counted: tests/mpi/budget.py
-(32.12 once the lane's small collective finds its operand, result and fold in one
+(33.11 once a small collective's opening starts through `Lane._open`, the one copy of
+it; 32.12 once the lane's small collective finds its operand, result and fold in one
 lookup of its CCLO's views, with the in-process cuts beside it; 35.10 with the in-process path's cuts above and the opening one persistent MPI
 request; 39.12 once a call is one object from the device to the user; 40.12 to 40.20
 once a call that ended well ends in one frame and a collective joins in line; 43.12

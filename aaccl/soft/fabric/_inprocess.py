@@ -48,6 +48,20 @@ class InProcessFabric:
         # meeting, which leaves the roll with the last rank to join
         self.roll: dict[Hashable, Meeting] = {}
 
+    def report(self, key: Hashable, size: int, session: int, fp: Fingerprint | None
+               ) -> Meeting:
+        """A rank's call of collective `key` (of `size` ranks) reports to the roll
+        call, valid or not (`fp` None): its entry, made by the first to report, counts
+        it, and leaves the roll with the last."""
+        roll = self.roll
+        meeting = roll.get(key)
+        if meeting is None:
+            meeting = roll[key] = Meeting(size, self, session, fp)
+        meeting.seen += 1
+        if meeting.seen == meeting.size:  # the last: nobody looks it up again
+            del roll[key]
+        return meeting
+
     def port(self, session: int) -> InProcessPort:
         return InProcessPort(self, session)
 
@@ -189,20 +203,10 @@ class _RollCall(Collective):
 
     def join(self, call: CollectiveCall) -> tuple[int, str] | None:
         """The mismatch with the first rank that joined, if their calls differ."""
-        meeting = self.port.fabric.roll.get(call.prefix) or self._first(call)
-        meeting.seen += 1
-        if meeting.seen == meeting.size:  # the last to join: nobody looks it up again
-            del self.port.fabric.roll[call.prefix]
+        meeting = self.port.fabric.report(call.prefix, call.comm.size,  # type: ignore[union-attr]
+                                          call.dev.session, call.fp)
         call.meeting = meeting if self.meets else None
         return None if meeting.fp == call.fp else self._differs(call, meeting)
-
-    def _first(self, call: CollectiveCall) -> Meeting:
-        """The first rank joins: the collective's entry in the roll."""
-        fabric = self.port.fabric
-        assert call.comm is not None
-        meeting = fabric.roll[call.prefix] = Meeting(call.comm.size, fabric, call.dev.session,
-                                                     call.fp)
-        return meeting
 
     @staticmethod
     def _differs(call: CollectiveCall, meeting: Meeting) -> tuple[int, str] | None:
@@ -310,13 +314,7 @@ class InProcessPort(Port):
     def absent(self, key: Hashable, size: int) -> None:
         """This rank's call of collective `key` (of `size` ranks) will not run (the
         host rejected it, or it is invalid): it counts in the roll all the same."""
-        roll = self.fabric.roll
-        meeting = roll.get(key)
-        if meeting is None:
-            meeting = roll[key] = Meeting(size, self.fabric, -1, None)
-        meeting.seen += 1
-        if meeting.seen == meeting.size:
-            del roll[key]
+        self.fabric.report(key, size, -1, None)
 
     def collective(self, call: CollectiveCall) -> Collective | None:
         """Every collective of more than one rank reports to the roll call; a small
