@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import anyio
@@ -537,11 +537,7 @@ class ACCL:
 
     _outcome = staticmethod(outcome)  # (what a call's device outcome means: Call's owner)
 
-    def _wait(self, call: Call) -> Awaitable[None]:
-        """Wait for `call` where asyncio's future cannot: on trio, or polling the
-        device (`_bridge.wait`)."""
-        return _bridge.wait(call._register, self._poller, call._forget, call,
-                            running_loop(self))
+    _wait = staticmethod(_bridge.wait)  # (how a Call waits where asyncio's future cannot)
 
     def _forget(self, call: Call) -> None:
         """A tracked call ended (its `on_done`): its records go, in a few lines where

@@ -49,7 +49,7 @@ _next_turn = 0.0  # (monotonic) when a polling task next lets the loop turn
 
 async def wait(register: Register, poller: Poller | None = None,
                forget: Forget | None = None, call: Finishes | None = None,
-               asyncio_loop: asyncio.AbstractEventLoop | None = None) -> None:
+               loop: asyncio.AbstractEventLoop | None = None) -> None:
     """Suspend the current task until the registered `wake` is called from any thread;
     with a `poller`, poll it for a while first: for up to SPIN_FOR without a turn of
     the event loop, then with one between polls, up to POLL_FOR in all. If the task
@@ -60,9 +60,8 @@ async def wait(register: Register, poller: Poller | None = None,
     loop's future is only made if the task suspends for good (it parks). With `call`
     (whose `_finished` says that the event happened), the spin comes first, before
     `wake` is made and registered: a call that a poll of the spin completes (a small
-    collective over MPI) costs no waker at all. `asyncio_loop`: the running loop,
+    collective over MPI) costs no waker at all. `loop`: the running loop of asyncio,
     if the caller knows it (asyncio's lookup costs a system call)."""
-    loop = asyncio_loop
     if loop is None:
         try:
             loop = asyncio.get_running_loop()

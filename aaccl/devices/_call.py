@@ -87,8 +87,11 @@ class Owner(Protocol):
         """The error the call raises (its return code, a failed host sync), or None;
         on the completing thread, before anyone can see the call done."""
 
-    def _wait(self, call: Call) -> Any:
-        """An awaitable that returns once `call` finished (trio, or a poller's)."""
+    _wait: Callable[..., Any]
+    """`aaccl.api._bridge.wait`, where asyncio's future cannot wait (trio, or a poller
+    to poll): `_wait(call._register, poller, call._forget, call, loop)` is an awaitable
+    that returns once `call` finished. (A function, not a method: no frame of the
+    owner's between an await and its wait.)"""
 
 
 def running_loop(owner: Owner) -> asyncio.AbstractEventLoop | None:
@@ -399,12 +402,10 @@ class Call:
             trace = _trace._active
             began = _now() if trace is not None else 0
             try:
-                loop = None
-                if owner._poller is None:
-                    loop = owner._loop  # (`running_loop`, its common case inline)
-                    if loop is None or loop._thread_id != _ident():  # type: ignore[attr-defined]
-                        loop = running_loop(owner)
-                if loop is not None:  # asyncio: the future is the waker (see _wake)
+                poller, loop = owner._poller, owner._loop  # (`running_loop`, its common case)
+                if loop is None or loop._thread_id != _ident():  # type: ignore[attr-defined]
+                    loop = running_loop(owner)
+                if poller is None and loop is not None:  # asyncio: the future wakes (`_wake`)
                     future = loop.create_future()
                     with self._lock:
                         waiting = not self._finished
@@ -419,8 +420,9 @@ class Call:
                         except BaseException:
                             self._forget(future)
                             raise
-                else:
-                    yield from owner._wait(self).__await__()
+                else:  # trio, or a device to poll while waiting (MPI)
+                    yield from owner._wait(self._register, poller, self._forget, self,
+                                           loop).__await__()
             except BaseException:
                 self._given_up = not self._finished  # cancelled: see ACCL._settle
                 raise
