@@ -34,7 +34,7 @@ OP0_STREAM, RES_STREAM = int(StreamFlags.OP0_STREAM), int(StreamFlags.RES_STREAM
 _getframe = sys._getframe
 _API_LAYER = True
 """The calls a module with this global makes are its caller's: a never-awaited call
-points past its frames, at the user's line (see `_track`)."""
+points past its frames, at the user's line (see `_submit`)."""
 _COUNT_END = 2**32  # counts below it fit the CCLO's 32-bit register
 _NO_REDUCTION = object()  # `_all`'s func for the collectives that reduce nothing
 BOTH_STREAMS = OP0_STREAM | RES_STREAM
@@ -330,20 +330,26 @@ class ACCL:
 
     def _submit(self, op: str, scenario: Scenario, waitfor: Calls,
                 sync_in: Sequence[Buffer] = (), sync_out: Buffer | None = None,
-                buffers: tuple[Buffer | None, Buffer | None, Buffer | None] = (None, None, None),
+                buffers: tuple[Buffer | None, ...] = (None, None, None),
                 reads: tuple[Span, ...] = (), writes: tuple[Span, ...] = (),
                 addrs: tuple[int, int, int] | None = None,
-                depth: int = 3, count: int = 0, comm_id: int | None = None,
+                depth: int = 2, count: int = 0, comm_id: int | None = None,
                 root_src_dst: int = 0, function: int = 0, tag: int = TAG_ANY,
                 dtype: np.dtype | None = None, compress_dtype: np.dtype | None = None,
-                operand_dtypes: Any = None, stream_flags: int = 0) -> Call:
-        """Sync inputs in, start the call after `waitfor` and after the earlier calls
-        its device memory (`reads`, `writes`; `sync_in` lies within `reads`) conflicts
-        with, and track it. `addrs`: the device addresses of `buffers`, where the
-        caller has them at hand. `depth`: the user's frame as seen from `_track` (3 for
-        a public method calling this one). The rest is the call, for `Driver.start`
-        (`comm_id` None: a call without a communicator). (Every argument may come by
-        position, as `_all`'s do: keywords cost on every call's path.)"""
+                operand_dtypes: Any = None, stream_flags: int = 0,
+                start: Callable[[Sequence[DeviceCall]], DeviceCall] | None = None,
+                engine: str = "cclo") -> Call:
+        """Every call's one path: sync inputs in, start the call after `waitfor` and
+        after the earlier calls its device memory (`reads`, `writes`; `sync_in` lies
+        within `reads`) conflicts with, adopt the device's call and keep it, with the
+        memory it uses, until it ends (`_forget`). `addrs`: the device addresses of
+        `buffers` (the CCLO's three), where the caller has them at hand; `buffers` are
+        kept allocated until the call ends. `depth`: the user's frame as seen from this
+        one (2 for a public method calling it). The rest is the call, for
+        `Driver.start` (`comm_id` None: a call without a communicator), unless `start`
+        starts host work instead (`start(waits)`: a transfer, a kernel's run, on
+        `engine`). (Every argument may come by position, as `_all`'s do: keywords cost
+        on every call's path.)"""
         if self._closed:
             self._check_open()
         if sync_out is not None and not sync_out.flags.writeable:
@@ -365,19 +371,52 @@ class ACCL:
             waits, hazards = deps, ()
             for region in sync_in:
                 region.sync_to_device()
-        if addrs is None:
-            b0, b1, b2 = buffers  # checked: their addresses are known
-            addrs = (0 if b0 is None else b0._address, 0 if b1 is None else b1._address,
-                     0 if b2 is None else b2._address)  # type: ignore[assignment]
-        # by position (keywords cost on every call); `addrs` is set above if it was None
-        call = self._driver.start(
-            scenario, count, GLOBAL_COMM if comm_id is None else comm_id, root_src_dst, function,
-            tag, dtype, compress_dtype, operand_dtypes, stream_flags, addrs, waits)  # type: ignore
-        # (by position too; errors name the communicator where it is not the world)
-        self._track(op, "cclo", call, deps, submitted,
-                    None if sync_out is None else sync_out.sync_from_device, buffers, reads,
-                    writes, hazards, () if sync_out is None else _span(sync_out, sync_out.size),
-                    "" if not comm_id else f", communicator {comm_id}", depth)
+        if start is not None:
+            call = start(waits)
+        else:
+            if addrs is None:
+                b0, b1, b2 = buffers  # checked: their addresses are known
+                addrs = (0 if b0 is None else b0._address, 0 if b1 is None else b1._address,
+                         0 if b2 is None else b2._address)  # type: ignore[assignment]
+            call = self._driver.start(  # (by position: keywords cost on every call)
+                scenario, count, GLOBAL_COMM if comm_id is None else comm_id, root_src_dst,
+                function, tag, dtype, compress_dtype, operand_dtypes, stream_flags, addrs,  # type: ignore[arg-type]
+                waits)
+        # The device's call is the rank's from now on: one object from device to user.
+        # Where the user made it, for its never-awaited warning: `depth` frames up, past
+        # any further API layer (aaccl.compat's); its code and instruction offset, not
+        # the frame, which would keep the user's locals alive (the line is looked up if
+        # ever needed). Its name is formatted if ever read; errors name the
+        # communicator where it is not the world. `submitted` is 0 unless tracing:
+        # then the call's run is recorded once it ended.
+        self._ncalls += 1
+        on_done = self._forget if not submitted else self._traced(op, engine, submitted)
+        frame = _getframe(depth)
+        while "_API_LAYER" in frame.f_globals:
+            frame = frame.f_back  # type: ignore[assignment]  # the user's is further up
+        tracked = call._adopt(
+            self, (op, self._rank, self._ncalls, "" if not comm_id else f", communicator {comm_id}"),
+            deps + hazards if hazards else deps,
+            None if sync_out is None else sync_out.sync_from_device, on_done, buffers,
+            (frame.f_code, frame.f_lasti, frame.f_globals))
+        if tracked:  # not ended yet: its books, unless it ended since (`_forget` ran)
+            with self._lock:
+                tracked = not call._finished
+                if tracked:
+                    self._outstanding.add(call)
+                    if reads or writes:  # (alone in the books: one slot, set in line)
+                        if book._one is None and not book._regions and not book._lone:
+                            book._one, book._one_spans = call, (reads, writes)
+                        else:
+                            book.add(call, reads, writes)
+                    if hazards:
+                        self._hazard_deps[call] = hazards
+                    if sync_out is not None:
+                        self._syncs_out[call] = _span(sync_out, sync_out.size)[0]
+        elif submitted:  # ended on the spot (a nop, the last rank of a meeting, a failure)
+            on_done(call)
+        if hazards and not tracked:  # it ended already: nobody has seen its error yet
+            self._explain(call, hazards)
         if comm_id is not None and scenario is not _SEND and scenario is not _RECV:
             # a collective: which task issues it, against the last one on its order
             loop: Any = self._loop  # (`running_loop`, its common case in one line)
@@ -391,6 +430,12 @@ class ACCL:
                     check_race(order, call, before, deps, task)
             order.last = (task, call._name, _weakref(call))
         return call
+
+    def _track(self, op: str, engine: str, call: DeviceCall, deps: tuple[Call, ...],
+               submitted: int = 0) -> Call:
+        """The rank's Call of a device call started elsewhere, as `_submit` adopts its
+        own (tests hand it one)."""
+        return self._submit(op, _NOP, deps, start=lambda _: call, engine=engine)
 
     def _message_order(self, comm_id: int) -> Order:
         """The message order of communicator `comm_id`, which communicators of the same
@@ -456,53 +501,6 @@ class ACCL:
             elif call not in deps:
                 waits.append(call)
         return tuple(c for c in conflicting if c not in deps), tuple(synced)
-
-    def _track(self, op: str, engine: str, call: DeviceCall, deps: tuple[Call, ...],
-               submitted: int, finish: Callable[[], None] | None = None,
-               buffers: tuple[object, ...] = (), reads: tuple[Span, ...] = (),
-               writes: tuple[Span, ...] = (), hazards: tuple[Call, ...] = (),
-               sync_out: tuple[Span, ...] = (), where: str = "", depth: int = 3) -> Call:
-        """The Call of a submitted device call, kept (with the memory it uses) until
-        it completes. The user's frame is `depth` frames up from this one."""
-        self._ncalls += 1
-        # submitted is 0 unless tracing: then the call's run is recorded once it ended
-        on_done = self._forget if not submitted else self._traced(op, engine, submitted)
-        # Where the user made the call, for its never-awaited warning: `depth` frames
-        # up (3: _track <- _submit, _transfer or _run_kernel <- nop, sync_to_device or
-        # Kernel.__call__ <- user; the collectives' wrapper and _all add theirs), past
-        # any further API layer (aaccl.compat's). Its code and instruction offset, not
-        # the frame, which would keep the user's locals alive: the line is looked up if
-        # ever needed. Its name is formatted if ever read.
-        frame = _getframe(depth)
-        while "_API_LAYER" in frame.f_globals:
-            frame = frame.f_back  # type: ignore[assignment]  # the user's is further up
-        # the device's call is the rank's from now on: one object from device to user
-        if not call._adopt(self, (op, self._rank, self._ncalls, where),
-                           deps + hazards if hazards else deps, finish, on_done, buffers,
-                           (frame.f_code, frame.f_lasti, frame.f_globals)):
-            # ended on the spot (a nop, the last rank of a meeting, a failure): not tracked
-            if submitted:
-                on_done(call)
-            if hazards:  # nobody has seen its error yet
-                self._explain(call, hazards)
-            return call
-        with self._lock:
-            if not call._finished:
-                self._outstanding.add(call)
-                if reads or writes:
-                    book = self._hazards  # (alone in it: one slot, set in line)
-                    if book._one is None and not book._regions and not book._lone:
-                        book._one, book._one_spans = call, (reads, writes)
-                    else:
-                        book.add(call, reads, writes)
-                if hazards:
-                    self._hazard_deps[call] = hazards
-                if sync_out:
-                    self._syncs_out[call] = sync_out[0]
-                return call
-        if hazards:  # failed at once: nobody has seen its error yet
-            self._explain(call, hazards)
-        return call
 
     def _traced(self, op: str, engine: str, submitted: int) -> Callable[[Call], None]:
         """A traced call's `on_done`: records its run (before anyone is woken), then
@@ -602,13 +600,12 @@ class ACCL:
         buffers = tuple(check.buffer(a, f"argument {i} of {kernel.name}", self, 0, cclo=False)
                         for i, a in [*enumerate(args), *kwargs.items()]
                         if isinstance(a, Buffer))
-        submitted = time.perf_counter_ns() if _trace.active() is not None else 0
         spans = _spans(*((b, b.size) for b in buffers))  # a kernel may read and write each
-        waits: list[DeviceCall] = list(deps)
-        hazards = self._order(deps, waits, (), spans)[0] if self._hazards else ()
-        device_call = kernel._start(self._driver.device, args, kwargs, waits)
-        return self._track(f"kernel {kernel.name}", "kernel", device_call, deps, submitted,
-                           buffers=buffers, writes=spans, hazards=hazards)
+        device = self._driver.device
+        # (depth 3: _submit <- _run_kernel <- Kernel.__call__ <- user)
+        return self._submit(f"kernel {kernel.name}", _NOP, deps, buffers=buffers, writes=spans,
+                            depth=3, engine="kernel",
+                            start=lambda waits: kernel._start(device, args, kwargs, waits))
 
     def sync_to_device(self, buf: Buffer, *, waitfor: Calls = ()) -> Call:
         """Copy buf's host elements to device memory, as a call: it runs on the device's
@@ -626,23 +623,19 @@ class ACCL:
         self._check_open()
         deps = check.waitfor(waitfor, self)
         region = check.buffer(buf, "buf", self, 0, cclo=False)
-        submitted = time.perf_counter_ns() if _trace.active() is not None else 0
         spans = _spans((region, region.size))
         reads, writes = ((), spans) if to_device else (spans, ())
-        waits: list[DeviceCall] = list(deps)
-        hazards = self._order(deps, waits, reads, writes)[0] if self._hazards else ()
-        device_call = self._driver.device.run(lambda: move(region), waits)
-        return self._track(op, "dma", device_call, deps, submitted, buffers=(region,),
-                           reads=reads, writes=writes, hazards=hazards)
+        device = self._driver.device
+        # (depth 3: _submit <- _transfer <- sync_to_device <- user)
+        return self._submit(op, _NOP, deps, buffers=(region,), reads=reads, writes=writes,
+                            depth=3, engine="dma",
+                            start=lambda waits: device.run(lambda: move(region), waits))
 
     # -- primitives -------------------------------------------------------------------
 
     def nop(self, *, waitfor: Calls = ()) -> Call:
         """A call that does nothing: measures the round trip, or joins dependencies."""
-        if type(waitfor) is tuple and not waitfor and not self._closed \
-                and _trace._active is None:  # nothing for `_submit` to do: the round trip
-            return self._track("nop", "cclo", self._driver.start(_NOP), (), 0, depth=2)
-        return self._submit("nop", Scenario.NOP, waitfor)
+        return self._submit("nop", _NOP, waitfor, (), None, (), (), (), (0, 0, 0))
 
     def copy(self, srcbuf: Buffer, dstbuf: Buffer, count: int, from_fpga: bool = False,
              to_fpga: bool = False, *, stream_flags: int = 0, waitfor: Calls = ()) -> Call:
@@ -893,12 +886,11 @@ class ACCL:
                 check.buffers(sbuf, rbuf, self, ins, outs)  # (raises, naming the buffer)
             reads = ((sa.address, s_at, s_at + ins * sbuf.itemsize),) if count else ()
             writes = ((da.address, d_at, d_at + outs * rbuf.itemsize),) if count else ()
-            # by position (`_submit`'s order); depth 4: _track <- _submit <- _all <- allreduce
-            # <- user
+            # by position (`_submit`'s order); depth 3: _submit <- _all <- allreduce <- user
             return self._submit(
                 op, scenario, waitfor, () if from_fpga else (_head(sbuf, ins),),
                 None if to_fpga else _head(rbuf, outs), (sbuf, rbuf, rbuf), reads, writes,
-                (s_at, d_at, d_at), 4, count, comm_id, 0, function, TAG_ANY, dtype,
+                (s_at, d_at, d_at), 3, count, comm_id, 0, function, TAG_ANY, dtype,
                 compress_dtype)
         except (TypeError, ValueError) as exc:
             self._rejected(op, comm_id, exc)
