@@ -224,12 +224,15 @@ class Call:
         with self._lock:
             if self._settled:
                 raise RuntimeError("device call completed twice")
-            self.retcode, self.aborted, self.error, self.detail = retcode, aborted, error, detail
-            self.ended, self._settled = _now(), True  # (a trace's end: not when a callback ran)
+            # (`ended`: a trace's end, not when a callback ran)
+            self.ended, self._settled, self.detail = _now(), True, detail
             # the owner works out a failure's error, or runs a host sync (`_finish`, set
-            # with the owner); anything else (the common small call) is done at once
+            # with the owner); anything else (the common small call, whose outcome the
+            # fields hold already: they start as success) is done at once
             work = self._finish is not None or retcode or aborted or error is not None
-            if not work:
+            if work:
+                self.retcode, self.aborted, self.error = retcode, aborted, error
+            else:
                 self._finished, self._buffers, self._deps = True, (), ()
                 wakers, callbacks, on_done = self._wakers, self._callbacks, self._on_done
                 self._wakers = self._callbacks = self._on_done = None
@@ -464,11 +467,11 @@ class Call:
         # through a dependent's DependencyError): the warning would add nothing. A call
         # that did not fail (or never finished) and was never used warns.
         try:
-            error, used, owner = self._error, self._used, self.owner
+            if self._used and self._error is None or self.owner is None:
+                return  # used and ended well, or a device's own call: nobody was to await it
         except AttributeError:  # __init__ never ran
             return
-        if error is None and used or owner is None:
-            return  # used and ended well, or a device's own call: nobody was to await it
+        error = self._error
         if error is not None:
             # an Aborted call's world ended early: that cause is reported, not each call;
             # nor is every call that failed because one did (a loop of 10,000 calls
