@@ -411,7 +411,7 @@ class ACCL:
                             book.add(call, reads, writes)
                     if hazards:
                         self._hazard_deps[call] = hazards
-                    if sync_out is not None:
+                    if sync_out is not None and sync_out.size:  # (what it syncs out once run)
                         self._syncs_out[call] = _span(sync_out, sync_out.size)[0]
         elif submitted:  # ended on the spot (a nop, the last rank of a meeting, a failure)
             on_done(call)
