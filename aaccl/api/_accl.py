@@ -380,8 +380,8 @@ class ACCL:
                          0 if b2 is None else b2._address)  # type: ignore[assignment]
             call = self._driver.start(  # (by position: keywords cost on every call)
                 scenario, count, GLOBAL_COMM if comm_id is None else comm_id, root_src_dst,
-                function, tag, dtype, compress_dtype, operand_dtypes, stream_flags, addrs,  # type: ignore[arg-type]
-                waits)
+                function, tag, dtype, compress_dtype, operand_dtypes, stream_flags,
+                addrs, waits)  # type: ignore[arg-type]  # (`addrs` is set above if it was None)
         # The device's call is the rank's from now on: one object from device to user.
         # Where the user made it, for its never-awaited warning: `depth` frames up, past
         # any further API layer (aaccl.compat's); its code and instruction offset, not
@@ -394,28 +394,25 @@ class ACCL:
         frame = _getframe(depth)
         while "_API_LAYER" in frame.f_globals:
             frame = frame.f_back  # type: ignore[assignment]  # the user's is further up
-        tracked = call._adopt(
-            self, (op, self._rank, self._ncalls, "" if not comm_id else f", communicator {comm_id}"),
-            deps + hazards if hazards else deps,
-            None if sync_out is None else sync_out.sync_from_device, on_done, buffers,
-            (frame.f_code, frame.f_lasti, frame.f_globals))
-        if tracked:  # not ended yet: its books, unless it ended since (`_forget` ran)
-            with self._lock:
-                tracked = not call._finished
-                if tracked:
+        name = (op, self._rank, self._ncalls, "" if not comm_id else f", communicator {comm_id}")
+        if call._adopt(self, name, deps + hazards if hazards else deps,
+                       None if sync_out is None else sync_out.sync_from_device, on_done, buffers,
+                       (frame.f_code, frame.f_lasti, frame.f_globals)):
+            with self._lock:  # not ended yet: its books, unless it ended since (`_forget` ran)
+                if not call._finished:
                     self._outstanding.add(call)
                     if reads or writes:  # (alone in the books: one slot, set in line)
                         if book._one is None and not book._regions and not book._lone:
                             book._one, book._one_spans = call, (reads, writes)
                         else:
                             book.add(call, reads, writes)
-                    if hazards:
-                        self._hazard_deps[call] = hazards
+                    if hazards:  # (its error is explained once it ends: `_forget`)
+                        self._hazard_deps[call], hazards = hazards, ()
                     if sync_out is not None and sync_out.size:  # (what it syncs out once run)
                         self._syncs_out[call] = _span(sync_out, sync_out.size)[0]
         elif submitted:  # ended on the spot (a nop, the last rank of a meeting, a failure)
             on_done(call)
-        if hazards and not tracked:  # it ended already: nobody has seen its error yet
+        if hazards:  # it ended already: nobody has seen its error yet
             self._explain(call, hazards)
         if comm_id is not None and scenario is not _SEND and scenario is not _RECV:
             # a collective: which task issues it, against the last one on its order
