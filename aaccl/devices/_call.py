@@ -424,8 +424,8 @@ class Call:
                             self._forget(future)
                             raise
                 else:  # trio, or a device to poll while waiting (MPI)
-                    waiting = owner._wait(self._register, poller, self._forget, self, loop)
-                    yield from waiting.__await__()
+                    until_done = owner._wait(self._register, poller, self._forget, self, loop)
+                    yield from until_done.__await__()
             except BaseException:
                 self._given_up = not self._finished  # cancelled: see ACCL._settle
                 raise
