@@ -24,12 +24,13 @@ from .._datapath import OPERAND_FLAGS
 from .._engine import Wait
 from .._failure import CallFailed
 from .._streams import StreamRead, stream_roles
-from ..fabric._message import Key, function_name
+from ..fabric._message import Collective, Key, function_name
 
 if TYPE_CHECKING:
     from .._device import SoftDevice
 
 log = logging.getLogger("aaccl")
+_now = time.perf_counter_ns
 
 Body = Generator[Wait, Any, None]
 
@@ -287,18 +288,22 @@ class SoftCall(DeviceCall):
 
     # -- running --------------------------------------------------------------------
 
+    way: Collective | None = None
+    """How its fabric takes part in the call (a collective's: `CollectiveCall.way`)."""
+
     def start(self) -> None:
+        """Run the call: its fabric's way, if that takes it, or else its body."""
         if self.state is not State.SUBMITTED:
             return  # aborted while it waited for its turn
-        self.state = State.RUNNING
-        self.started = time.perf_counter_ns()
+        self.state, self.started = State.RUNNING, _now()
         if self.failure:
             self.aborting = self.failure_error
             self.abandon()
             self.finish(self.failure, self.failure_detail)
             return
-        self.body = self.run()
-        self.resume(None)
+        if (way := self.way) is None or not way.start(self):  # type: ignore[arg-type]
+            self.body = self.run()
+            self.resume(None)
 
     def run(self) -> Body:
         return
