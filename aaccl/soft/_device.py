@@ -20,7 +20,7 @@ from .._errors import Aborted, DeviceError
 from ..devices import CallArgs, Device, DeviceCall
 from ..devices._jobs import HostJobs, Job
 from ._calls import KINDS, RETCODE_WORD, CallFailed, Comm, SoftCall, make_call
-from ._calls._state import describe_call
+from ._calls._state import State, describe_call
 from ._datapath import Datapath, UnsupportedConfig
 from ._engine import Alarm
 from ._memory import DeviceMemory
@@ -266,7 +266,8 @@ class SoftDevice(Device):
             # a nop with nothing to wait for: done on the spot
             self.exchmem[RETCODE_WORD] = 0
             return DeviceCall(args, done=True)
-        call = KINDS.get(args.scenario, make_call)(self, args)
+        call = KINDS.get(args.scenario, make_call)(args)
+        call.dev, call.state, call.body, call.waiting = self, State.SUBMITTED, None, None
         self.engine.post(call.admit, tuple(waitfor))
         return call
 

@@ -106,7 +106,9 @@ class Comm:
 class SoftCall(DeviceCall):
     """One call on one soft CCLO, and its device call (what `SoftDevice.start`
     returns): one object from submission to completion. Subclasses say how it is
-    admitted and what it runs."""
+    admitted and what it runs. Made with its arguments alone (`DeviceCall`'s
+    constructor): the device that makes it sets the fields below, at once (no
+    constructor of its own: one call less per call)."""
 
     __slots__ = ("dev", "state", "body", "waiting", "__dict__")
 
@@ -129,10 +131,6 @@ class SoftCall(DeviceCall):
     """Dependencies (`waitfor`) not done yet."""
     op0_stream = res_stream = False
     """Operand 0 / the result on a kernel stream."""
-
-    def __init__(self, dev: SoftDevice, args: CallArgs) -> None:
-        DeviceCall.__init__(self, args)
-        self.dev, self.state, self.body, self.waiting = dev, State.SUBMITTED, None, None
 
     # -- submitted ------------------------------------------------------------------
 
