@@ -20,7 +20,7 @@ from .._errors import Aborted, DeviceError
 from ..devices import CallArgs, Device, DeviceCall
 from ..devices._jobs import HostJobs, Job
 from ._calls import KINDS, RETCODE_WORD, CallFailed, Comm, SoftCall, make_call
-from ._calls._state import State, describe_call
+from ._calls._state import SUBMITTED, describe_call
 from ._datapath import Datapath, UnsupportedConfig
 from ._engine import Alarm
 from ._memory import DeviceMemory
@@ -34,6 +34,7 @@ DECODED_KEPT = 1024
 """Distinct collective arguments whose decoding a soft CCLO keeps (`remember`)."""
 Decoded = tuple[Comm, Datapath, Fingerprint, Collective | None]
 """What a collective's arguments decode to (see `SoftDevice.remember`)."""
+NOP = int(Scenario.NOP)  # (a global: a member looked up on its enum costs five times as much)
 HWID = 0x0000_00F8  # reduction, compression and stream bits as ACCL's driver reads them
 
 
@@ -258,7 +259,7 @@ class SoftDevice(Device):
     # -- calls ------------------------------------------------------------------------
 
     def start(self, args: CallArgs, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
-        if self.closed or args.scenario == Scenario.NOP and not waitfor and not self.in_order:
+        if self.closed or args.scenario == NOP and not waitfor and not self.in_order:
             if self.closed:
                 refused = DeviceCall(args)
                 refused.complete(error=DeviceError("the soft CCLO is closed"))
@@ -267,7 +268,7 @@ class SoftDevice(Device):
             self.exchmem[RETCODE_WORD] = 0
             return DeviceCall(args, done=True)
         call = KINDS.get(args.scenario, make_call)(args)
-        call.dev, call.state, call.body, call.waiting = self, State.SUBMITTED, None, None
+        call.dev, call.state, call.body, call.waiting = self, SUBMITTED, None, None
         self.engine.post(call.admit, tuple(waitfor))
         return call
 
