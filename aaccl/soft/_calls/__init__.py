@@ -26,10 +26,9 @@ from ..._constants import ErrorCode, Scenario
 from ...devices import CallArgs
 from ._p2p import RecvCall, SendCall
 from ._schedule import ScheduleCall
-from ._state import (COLLECTIVES, OFFLOAD_BYTES, RETCODE_WORD, CallFailed, Comm, ConfigCall,
-                     SoftCall)
+from ._state import COLLECTIVES, OFFLOAD_BYTES, CallFailed, Comm, ConfigCall, SoftCall
 
-__all__ = ["KINDS", "OFFLOAD_BYTES", "RETCODE_WORD", "CallFailed", "Comm", "SoftCall", "make_call"]
+__all__ = ["KINDS", "OFFLOAD_BYTES", "CallFailed", "Comm", "SoftCall", "make_call"]
 
 
 KINDS: dict[int, type[SoftCall]] = {

@@ -49,7 +49,6 @@ workers (in parallel, without the GIL); smaller ones run in line."""
 
 RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
 DEQUEUE_TIMEOUT = int(ErrorCode.DEQUEUE_BUFFER_TIMEOUT_ERROR)
-RETCODE_WORD = xm.RETCODE // 4  # the exchange-memory word a call's return code is left in
 INBOUND_SEQ, OUTBOUND_SEQ = 2, 3
 """Words of a rank's communicator record that count messages from and to it."""
 
@@ -408,7 +407,7 @@ class SoftCall(DeviceCall):
             self.end(retcode, detail)
             return
         dev.calls.pop(self, None)  # (`SoftDevice.finished`'s common case, inline)
-        dev.exchmem[RETCODE_WORD] = 0
+        dev.retcode = 0
         self.complete()
 
     def end(self, retcode: int, detail: str | None) -> None:
