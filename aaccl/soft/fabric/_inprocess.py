@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import time
 from collections.abc import Callable, Hashable
 from functools import reduce
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ from ._message import Collective, Fingerprint, Message, MessageState, Port
 log = logging.getLogger("aaccl")
 RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
 _new = object.__new__
+_monotonic = time.monotonic
 _OPERAND = operator.itemgetter(0)  # (of a rank's entry in `Meeting.arrived`)
 
 if TYPE_CHECKING:
@@ -100,12 +102,9 @@ class Meeting:
     # None); the last to come finds every other one seated (`waiting`)
     arrived: list[tuple[np.ndarray, np.ndarray, Datapath] | None]
     waiting: dict[int, ScheduleCall]  # ranks seated, waiting for the rest
+    _fabric: InProcessFabric
 
-    def __init__(self, size: int, fabric: InProcessFabric, first: int,
-                 fp: Fingerprint | None) -> None:
-        self.size, self._fabric, self.seen = size, fabric, 0
-        self.first, self.fp = first, fp
-        self.arrived, self.waiting = [None] * size, {}
+    # (no __init__: `_RollCall.join` makes each in line, one call less per collective)
 
     def _compute(self, last: ScheduleCall) -> None:
         """Every rank's fingerprint equals the first's (the roll call): same count and
@@ -195,12 +194,15 @@ class _RollCall(Collective):
         roll with the last."""
         roll, key, fp = self.roll, call.prefix, call.fp
         meeting = roll.get(key)
-        if meeting is None:
-            size = call.comm.size  # type: ignore[union-attr]  # (a collective's)
-            meeting = roll[key] = Meeting(size, self.port.fabric, self.port.session, fp)
-        meeting.seen += 1
-        if meeting.seen == meeting.size:  # the last: nobody looks it up again
-            del roll[key]
+        if meeting is None:  # the first makes the entry (in line), which counts it
+            meeting = roll[key] = _new(Meeting)
+            meeting.size = size = call.comm.size  # type: ignore[union-attr]  # (a collective's)
+            meeting._fabric, meeting.first, meeting.fp = self.port.fabric, self.port.session, fp
+            meeting.seen, meeting.arrived, meeting.waiting = 1, [None] * size, {}
+        else:
+            meeting.seen += 1
+            if meeting.seen == meeting.size:  # the last (of 2 or more): nobody looks it up again
+                del roll[key]
         call.meeting = meeting if self.meets else None
         return None if meeting.fp == fp or fp is None else self._differs(fp, meeting)
 
@@ -262,7 +264,10 @@ class _Meet(_RollCall):
         seat.meeting, seat.rank, call.waiting = meeting, rank, seat
         meeting.waiting[rank] = call
         if len(meeting.waiting) == 1:  # the first to sit down sets the meeting's deadline
-            self.port.fabric.alarm.park(meeting, dev.timeout)
+            alarm = self.port.fabric.alarm  # (`Alarm.park`, in line: once per collective)
+            alarm.parked[meeting] = deadline = _monotonic() + dev.timeout
+            if deadline < alarm.at:
+                alarm.set(dev.timeout, deadline)
         if dev.gone:  # waits for a rank that left the world?
             sessions = call.comm.sessions  # type: ignore[union-attr]
             gone = [sessions[r] for r in seat.missing() if sessions[r] in dev.gone]
