@@ -7,7 +7,6 @@ addresses and dtypes; validation and host<->device syncs belong to the API above
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 import sys
@@ -34,9 +33,9 @@ from . import _firmware as firmware
 OperandDtypes = tuple[np.dtype | None, np.dtype | None, np.dtype | None]
 """Element types of a call's buffers (op0, op1, result); None for a buffer it lacks."""
 
-_call_args = functools.partial(tuple.__new__, CallArgs)
-"""CallArgs from a tuple of its 12 fields, without the namedtuple's Python-level
-constructor (a call's worth of cost on every submission)."""
+_new_tuple = tuple.__new__
+"""`_new_tuple(CallArgs, fields)`: CallArgs from a tuple of its 12 fields, without the
+namedtuple's Python-level constructor (a call's worth of cost on every submission)."""
 
 CONFIG_TIMEOUT = 60.0
 """Seconds the driver waits for one configuration call before giving up on the device."""
@@ -267,8 +266,9 @@ class Driver:
         """
         arithcfg, flags = self._codes.get((dtype, compress_dtype, operand_dtypes)) \
             or self._encode(dtype, compress_dtype, operand_dtypes)
-        head = (int(scenario), count, self.communicators[comm_id][0], root_src_dst, function)
-        args = _call_args(head + (tag, arithcfg, flags, stream_flags) + addrs)
+        (address, _), (a0, a1, a2) = self.communicators[comm_id], addrs  # (one tuple made)
+        args = _new_tuple(CallArgs, (int(scenario), count, address, root_src_dst, function, tag,
+                                     arithcfg, flags, stream_flags, a0, a1, a2))
         if not self.device.runs_accl_firmware:
             return self.device.start(args, waitfor)
         if scenario in firmware.RENDEZVOUS_ONLY and self.stack in ("tcp", "udp"):

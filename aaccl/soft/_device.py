@@ -19,8 +19,8 @@ from .._constants import ConfigFunction, ErrorCode, Scenario
 from .._errors import Aborted, DeviceError
 from ..devices import CallArgs, Device, DeviceCall
 from ..devices._jobs import HostJobs, Job
-from ._calls import KINDS, RETCODE_WORD, CallFailed, Comm, SoftCall, make_call
-from ._calls._state import describe_call
+from ._calls import KINDS, CallFailed, Comm, SoftCall, make_call
+from ._calls._state import SUBMITTED, describe_call
 from ._datapath import Datapath, UnsupportedConfig
 from ._engine import Alarm
 from ._memory import DeviceMemory
@@ -34,6 +34,8 @@ DECODED_KEPT = 1024
 """Distinct collective arguments whose decoding a soft CCLO keeps (`remember`)."""
 Decoded = tuple[Comm, Datapath, Fingerprint, Collective | None]
 """What a collective's arguments decode to (see `SoftDevice.remember`)."""
+RETCODE = xm.RETCODE
+NOP = int(Scenario.NOP)  # (a global: a member looked up on its enum costs five times as much)
 HWID = 0x0000_00F8  # reduction, compression and stream bits as ACCL's driver reads them
 
 
@@ -52,6 +54,10 @@ class SoftDevice(Device):
         self.in_order = in_order
         self.exchmem = np.zeros(xm.SIZE // 4, np.uint32)
         self.exchmem[xm.HWID // 4] = HWID
+        # the RETCODE register, where each call leaves its return code: a word of
+        # exchange memory kept as an int (`mmio_read`), which costs a call's end a
+        # quarter of what a store into the array does
+        self.retcode = 0
         self.memory = DeviceMemory()
         # views of device memory its calls made (and tuples of them), by what they are
         # made of: kept (see `array`) until memory is freed
@@ -111,10 +117,15 @@ class SoftDevice(Device):
     # -- exchange memory and device memory ----------------------------------------
 
     def mmio_read(self, offset: int) -> int:
+        if offset == RETCODE:
+            return self.retcode
         return int(self.exchmem[self._word(offset)])
 
     def mmio_write(self, offset: int, value: int) -> None:
-        self.exchmem[self._word(offset)] = value
+        word = self._word(offset)
+        self.exchmem[word] = value
+        if offset == RETCODE:
+            self.retcode = int(self.exchmem[word])
         self._comms.clear()  # parse exchange memory again when next needed
         self._configs.clear()
         self._paths.clear()
@@ -258,15 +269,16 @@ class SoftDevice(Device):
     # -- calls ------------------------------------------------------------------------
 
     def start(self, args: CallArgs, waitfor: Sequence[DeviceCall] = ()) -> DeviceCall:
-        if self.closed or args.scenario == Scenario.NOP and not waitfor and not self.in_order:
+        if self.closed or args.scenario == NOP and not waitfor and not self.in_order:
             if self.closed:
                 refused = DeviceCall(args)
                 refused.complete(error=DeviceError("the soft CCLO is closed"))
                 return refused
             # a nop with nothing to wait for: done on the spot
-            self.exchmem[RETCODE_WORD] = 0
+            self.retcode = 0
             return DeviceCall(args, done=True)
-        call = KINDS.get(args.scenario, make_call)(self, args)
+        call = KINDS.get(args.scenario, make_call)(args)
+        call.dev, call.state, call.body, call.waiting = self, SUBMITTED, None, None
         self.engine.post(call.admit, tuple(waitfor))
         return call
 
@@ -282,7 +294,7 @@ class SoftDevice(Device):
         `aborted`: it never ran (a dependency failed), or `error` ended it."""
         self.calls.pop(call, None)
         if error is None and call.started:
-            self.exchmem[RETCODE_WORD] = retcode
+            self.retcode = retcode
         if self.in_order:
             self._leave_queue(call)
         if error is not None:

@@ -22,19 +22,13 @@ a collective is the fabric's (`port.collective`, `fabric.Collective`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..._constants import ErrorCode, Scenario
 from ...devices import CallArgs
 from ._p2p import RecvCall, SendCall
 from ._schedule import ScheduleCall
-from ._state import (COLLECTIVES, OFFLOAD_BYTES, RETCODE_WORD, CallFailed, Comm, ConfigCall,
-                     SoftCall)
+from ._state import COLLECTIVES, OFFLOAD_BYTES, CallFailed, Comm, ConfigCall, SoftCall
 
-__all__ = ["KINDS", "OFFLOAD_BYTES", "RETCODE_WORD", "CallFailed", "Comm", "SoftCall", "make_call"]
-
-if TYPE_CHECKING:
-    from .._device import SoftDevice
+__all__ = ["KINDS", "OFFLOAD_BYTES", "CallFailed", "Comm", "SoftCall", "make_call"]
 
 
 KINDS: dict[int, type[SoftCall]] = {
@@ -44,16 +38,17 @@ KINDS: dict[int, type[SoftCall]] = {
 """The kind of call each scenario makes (`make_call` for the others, which fail)."""
 
 
-def make_call(dev: SoftDevice, args: CallArgs) -> SoftCall:
+def make_call(args: CallArgs) -> SoftCall:
+    """A call of a scenario `KINDS` lacks (it fails), or of any, the long way; its
+    device sets its fields (see `SoftCall`)."""
     scenario = args.scenario
     if scenario == Scenario.SEND:
-        return SendCall(dev, args)
+        return SendCall(args)
     if scenario == Scenario.RECV:
-        return RecvCall(dev, args)
+        return RecvCall(args)
     if scenario in COLLECTIVES or scenario in (Scenario.COPY, Scenario.COMBINE):
-        return ScheduleCall(dev, args)
-    call: SoftCall = ConfigCall(dev, args) if scenario == Scenario.CONFIG \
-        else SoftCall(dev, args)
+        return ScheduleCall(args)
+    call: SoftCall = ConfigCall(args) if scenario == Scenario.CONFIG else SoftCall(args)
     if scenario not in (Scenario.CONFIG, Scenario.NOP):
         call.failure = int(ErrorCode.COLLECTIVE_NOT_IMPLEMENTED)
     return call

@@ -7,7 +7,6 @@ one of theirs does (`_peer_failed`). How the fabric takes part in the collective
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from ..._constants import ErrorCode, Scenario
@@ -17,10 +16,7 @@ from .._datapath import Datapath
 from ..fabric import Collective, Fingerprint, Key, Message
 from ..fabric._message import describe
 from ._state import (COLLECTIVES, MISMATCH, REDUCING, ROOTED, SIZE_MISMATCH, CallFailed, Comm,
-                     SoftCall, State, check_compression, describe_call)
-
-
-_now = time.perf_counter_ns
+                     SoftCall, check_compression, describe_call)
 
 
 class CollectiveCall(SoftCall):
@@ -108,16 +104,6 @@ class CollectiveCall(SoftCall):
         if not args.stream_flags:  # the same arguments decode alike
             self.dev.remember(args, (comm, path, fp, way if way is not None and way.shared
                                      else None))
-
-    def start(self) -> None:
-        way = self.way
-        if way is None or self.state is not State.SUBMITTED or self.failure:
-            super().start()
-            return
-        self.state, self.started = State.RUNNING, _now()
-        if not way.start(self):  # type: ignore[arg-type]  # (a ScheduleCall)
-            self.body = self.run()
-            self.resume(None)
 
     def describe(self) -> str:
         fp = self.fp

@@ -24,12 +24,13 @@ from .._datapath import OPERAND_FLAGS
 from .._engine import Wait
 from .._failure import CallFailed
 from .._streams import StreamRead, stream_roles
-from ..fabric._message import Key, function_name
+from ..fabric._message import Collective, Key, function_name
 
 if TYPE_CHECKING:
     from .._device import SoftDevice
 
 log = logging.getLogger("aaccl")
+_now = time.perf_counter_ns
 
 Body = Generator[Wait, Any, None]
 
@@ -48,7 +49,6 @@ workers (in parallel, without the GIL); smaller ones run in line."""
 
 RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
 DEQUEUE_TIMEOUT = int(ErrorCode.DEQUEUE_BUFFER_TIMEOUT_ERROR)
-RETCODE_WORD = xm.RETCODE // 4  # the exchange-memory word a call's return code is left in
 INBOUND_SEQ, OUTBOUND_SEQ = 2, 3
 """Words of a rank's communicator record that count messages from and to it."""
 
@@ -84,6 +84,11 @@ class State(enum.Enum):
     DONE = "done"
 
 
+SUBMITTED, RUNNING, DONE = State.SUBMITTED, State.RUNNING, State.DONE
+"""(the states as globals: a member looked up on its enum costs five times as much,
+several times on every call's path)"""
+
+
 class Comm:
     """A communicator as read from exchange memory, with its matching key."""
 
@@ -105,7 +110,9 @@ class Comm:
 class SoftCall(DeviceCall):
     """One call on one soft CCLO, and its device call (what `SoftDevice.start`
     returns): one object from submission to completion. Subclasses say how it is
-    admitted and what it runs."""
+    admitted and what it runs. Made with its arguments alone (`DeviceCall`'s
+    constructor): the device that makes it sets the fields below, at once (no
+    constructor of its own: one call less per call)."""
 
     __slots__ = ("dev", "state", "body", "waiting", "__dict__")
 
@@ -128,10 +135,6 @@ class SoftCall(DeviceCall):
     """Dependencies (`waitfor`) not done yet."""
     op0_stream = res_stream = False
     """Operand 0 / the result on a kernel stream."""
-
-    def __init__(self, dev: SoftDevice, args: CallArgs) -> None:
-        DeviceCall.__init__(self, args)
-        self.dev, self.state, self.body, self.waiting = dev, State.SUBMITTED, None, None
 
     # -- submitted ------------------------------------------------------------------
 
@@ -202,7 +205,7 @@ class SoftCall(DeviceCall):
         return value
 
     def dependency_done(self, dep: DeviceCall) -> None:
-        if self.state is not State.SUBMITTED or self.deps_left <= 0:
+        if self.state is not SUBMITTED or self.deps_left <= 0:
             return  # aborted already
         if dep.failed:
             self.deps_left = 0
@@ -215,13 +218,13 @@ class SoftCall(DeviceCall):
     def refuse(self, error: ACCLError) -> None:
         """End the call before it is admitted (its CCLO was aborted or closed): it
         takes no place in the message order, which no peer follows any more."""
-        self.state = State.DONE
+        self.state = DONE
         self.dev.finished(self, aborted=True, error=error)
 
     def abort(self) -> None:
         """A dependency failed: the call never runs."""
         self.abandon()
-        self.state = State.DONE
+        self.state = DONE
         self.dev.finished(self, aborted=True, error=self.aborting)
 
     def fail_now(self, failed: CallFailed, error: Aborted | None = None) -> None:
@@ -230,10 +233,10 @@ class SoftCall(DeviceCall):
         waits for; a call whose payload a peer reads right now fails once that is
         over, and one still waiting for its `waitfor` when it would start (so a
         failed dependency of its own still makes it a DependencyError)."""
-        if self.state is State.DONE or self.aborting is not None or self.failure:
+        if self.state is DONE or self.aborting is not None or self.failure:
             return
         self.failure, self.failure_detail = failed.code, failed.detail
-        if self.state is State.SUBMITTED:
+        if self.state is SUBMITTED:
             self.failure_error = error
             return
         self.aborting = error
@@ -243,10 +246,10 @@ class SoftCall(DeviceCall):
         """End the call at once with `error` (its world is cancelled or closed):
         before it runs, or by failing what it waits for. A call whose payload a peer
         reads right now, or whose data job runs, ends as soon as that is over."""
-        if self.state is State.DONE or self.aborting is not None:
+        if self.state is DONE or self.aborting is not None:
             return
         self.aborting = error
-        if self.state is State.SUBMITTED:
+        if self.state is SUBMITTED:
             self.abort()
             return
         # as a failure: a wait that cannot be withdrawn now (a data job, a peer
@@ -287,18 +290,22 @@ class SoftCall(DeviceCall):
 
     # -- running --------------------------------------------------------------------
 
+    way: Collective | None = None
+    """How its fabric takes part in the call (a collective's: `CollectiveCall.way`)."""
+
     def start(self) -> None:
-        if self.state is not State.SUBMITTED:
+        """Run the call: its fabric's way, if that takes it, or else its body."""
+        if self.state is not SUBMITTED:
             return  # aborted while it waited for its turn
-        self.state = State.RUNNING
-        self.started = time.perf_counter_ns()
+        self.state, self.started = RUNNING, _now()
         if self.failure:
             self.aborting = self.failure_error
             self.abandon()
             self.finish(self.failure, self.failure_detail)
             return
-        self.body = self.run()
-        self.resume(None)
+        if (way := self.way) is None or not way.start(self):  # type: ignore[arg-type]
+            self.body = self.run()
+            self.resume(None)
 
     def run(self) -> Body:
         return
@@ -393,14 +400,14 @@ class SoftCall(DeviceCall):
     def finish(self, retcode: int = 0, detail: str | None = None) -> None:
         """The call ran to its end with `retcode` (its body, or its fabric for it).
         One that ended well, out of order, ends here in one frame: most calls do."""
-        self.state, self.body, self.waiting = State.DONE, None, None
+        self.state, self.body, self.waiting = DONE, None, None
         dev = self.dev
         dev.inbox.members.pop(self.prefix, None)  # type: ignore[arg-type]  # (`Inbox.leave`)
         if retcode or self.failure or self.aborting is not None or dev.in_order:
             self.end(retcode, detail)
             return
         dev.calls.pop(self, None)  # (`SoftDevice.finished`'s common case, inline)
-        dev.exchmem[RETCODE_WORD] = 0
+        dev.retcode = 0
         self.complete()
 
     def end(self, retcode: int, detail: str | None) -> None:

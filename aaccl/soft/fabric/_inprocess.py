@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import time
 from collections.abc import Callable, Hashable
 from functools import reduce
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ from ._message import Collective, Fingerprint, Message, MessageState, Port
 log = logging.getLogger("aaccl")
 RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
 _new = object.__new__
+_monotonic = time.monotonic
 _OPERAND = operator.itemgetter(0)  # (of a rank's entry in `Meeting.arrived`)
 
 if TYPE_CHECKING:
@@ -44,23 +46,9 @@ class InProcessFabric:
         self.inboxes = [Inbox() for _ in range(size)]
         self.alarm = Alarm(self.engine, self._expire)  # the deadlines of the meetings
         self.activities: dict[int, Callable[[Hashable | None], str]] = {}  # session -> what it does now
-        # the collectives some ranks have joined (the roll call), by prefix: each one's
-        # meeting, which leaves the roll with the last rank to join
+        # the collectives some ranks have joined (the roll call, `_RollCall.join`), by
+        # prefix: each one's meeting, which leaves the roll with the last rank to join
         self.roll: dict[Hashable, Meeting] = {}
-
-    def report(self, key: Hashable, size: int, session: int, fp: Fingerprint | None
-               ) -> Meeting:
-        """A rank's call of collective `key` (of `size` ranks) reports to the roll
-        call, valid or not (`fp` None): its entry, made by the first to report, counts
-        it, and leaves the roll with the last."""
-        roll = self.roll
-        meeting = roll.get(key)
-        if meeting is None:
-            meeting = roll[key] = Meeting(size, self, session, fp)
-        meeting.seen += 1
-        if meeting.seen == meeting.size:  # the last: nobody looks it up again
-            del roll[key]
-        return meeting
 
     def port(self, session: int) -> InProcessPort:
         return InProcessPort(self, session)
@@ -114,12 +102,9 @@ class Meeting:
     # None); the last to come finds every other one seated (`waiting`)
     arrived: list[tuple[np.ndarray, np.ndarray, Datapath] | None]
     waiting: dict[int, ScheduleCall]  # ranks seated, waiting for the rest
+    _fabric: InProcessFabric
 
-    def __init__(self, size: int, fabric: InProcessFabric, first: int,
-                 fp: Fingerprint | None) -> None:
-        self.size, self._fabric, self.seen = size, fabric, 0
-        self.first, self.fp = first, fp
-        self.arrived, self.waiting = [None] * size, {}
+    # (no __init__: `_RollCall.join` makes each in line, one call less per collective)
 
     def _compute(self, last: ScheduleCall) -> None:
         """Every rank's fingerprint equals the first's (the roll call): same count and
@@ -195,33 +180,57 @@ class _RollCall(Collective):
     of different opinion do not. Every rank counts once, its call valid or not, so
     that the entry ends with the last."""
 
-    __slots__ = ("port",)  # (set by InProcessPort: no __init__, one call less per call)
+    __slots__ = ("port", "roll")  # (set by InProcessPort: no __init__, one call less per call)
 
     port: InProcessPort
+    roll: dict[Hashable, Meeting]  # (the fabric's)
     shared = True  # one per port (`_Meet` too): what a call did there is the call's
     meets = False  # its calls meet in the entry (`_Meet`), which they hold until they come
 
-    def join(self, call: CollectiveCall) -> tuple[int, str] | None:
-        """The mismatch with the first rank that joined, if their calls differ."""
-        meeting = self.port.fabric.report(call.prefix, call.comm.size,  # type: ignore[union-attr]
-                                          call.dev.session, call.fp)
+    def join(self, call: CollectiveCall | _Absent) -> tuple[int, str] | None:
+        """The mismatch with the first rank that joined, if their calls differ. Every
+        rank's call reports, valid or not (`fp` None: `reject`, `_Absent`): the
+        collective's entry, made by the first to report, counts it, and leaves the
+        roll with the last."""
+        roll, key, fp = self.roll, call.prefix, call.fp
+        meeting = roll.get(key)
+        if meeting is None:  # the first makes the entry (in line), which counts it
+            meeting = roll[key] = _new(Meeting)
+            meeting.size = size = call.comm.size  # type: ignore[union-attr]  # (a collective's)
+            meeting._fabric, meeting.first, meeting.fp = self.port.fabric, self.port.session, fp
+            meeting.seen, meeting.arrived, meeting.waiting = 1, [None] * size, {}
+        else:
+            meeting.seen += 1
+            if meeting.seen == meeting.size:  # the last (of 2 or more): nobody looks it up again
+                del roll[key]
         call.meeting = meeting if self.meets else None
-        return None if meeting.fp == call.fp else self._differs(call, meeting)
+        return None if meeting.fp == fp or fp is None else self._differs(fp, meeting)
 
-    @staticmethod
-    def _differs(call: CollectiveCall, meeting: Meeting) -> tuple[int, str] | None:
+    def _differs(self, fp: Fingerprint, meeting: Meeting) -> tuple[int, str] | None:
         """Our call's fingerprint is not the first's: the mismatch, unless the ranks
         before us all rejected their calls (we are the first valid one, then)."""
-        assert call.fp is not None
         if meeting.fp is None:
-            meeting.first, meeting.fp = call.dev.session, call.fp
+            meeting.first, meeting.fp = self.port.session, fp
             return None
-        return mismatch(call.fp, meeting.fp, call.dev.session, meeting.first)
+        return mismatch(fp, meeting.fp, self.port.session, meeting.first)
 
     def reject(self, call: CollectiveCall, failed: CallFailed) -> None:
-        assert call.comm is not None and call.prefix is not None
+        assert call.fp is None  # (it counts in the roll, compared with nothing)
+        self.join(call)
         call.meeting = None
-        self.port.absent(call.prefix, call.comm.size)
+
+
+class _Absent:
+    """A rank's call of a collective that never came to be (the host rejected it),
+    as the roll call sees it: it counts all the same (`InProcessPort.skip`)."""
+
+    __slots__ = ("prefix", "comm", "meeting")
+
+    fp = None
+    meeting: Meeting | None  # (as a call's, set by `join`)
+
+    def __init__(self, prefix: Key, comm: Comm) -> None:
+        self.prefix, self.comm = prefix, comm
 
 
 class _Meet(_RollCall):
@@ -255,7 +264,10 @@ class _Meet(_RollCall):
         seat.meeting, seat.rank, call.waiting = meeting, rank, seat
         meeting.waiting[rank] = call
         if len(meeting.waiting) == 1:  # the first to sit down sets the meeting's deadline
-            self.port.fabric.alarm.park(meeting, dev.timeout)
+            alarm = self.port.fabric.alarm  # (`Alarm.park`, in line: once per collective)
+            alarm.parked[meeting] = deadline = _monotonic() + dev.timeout
+            if deadline < alarm.at:
+                alarm.set(dev.timeout, deadline)
         if dev.gone:  # waits for a rank that left the world?
             sessions = call.comm.sessions  # type: ignore[union-attr]
             gone = [sessions[r] for r in seat.missing() if sessions[r] in dev.gone]
@@ -295,10 +307,9 @@ class InProcessPort(Port):
         self.fabric, self.session = fabric, session
         self.engine = fabric.engine
         self.inbox = fabric.inboxes[session]
-        self._roll = _RollCall()
-        self._roll.port = self
-        self._meet = _Meet()
-        self._meet.port = self
+        self._roll, self._meet = _RollCall(), _Meet()
+        self._roll.port, self._roll.roll = self, fabric.roll
+        self._meet.port, self._meet.roll = self, fabric.roll
 
     def post(self, dst: int, msg: Message, timeout_code: int) -> Wait | None:
         inbox = self.fabric.inboxes[dst]
@@ -310,11 +321,6 @@ class InProcessPort(Port):
         handover.dst = dst
         msg.consumed = handover
         return handover
-
-    def absent(self, key: Hashable, size: int) -> None:
-        """This rank's call of collective `key` (of `size` ranks) will not run (the
-        host rejected it, or it is invalid): it counts in the roll all the same."""
-        self.fabric.report(key, size, -1, None)
 
     def collective(self, call: CollectiveCall) -> Collective | None:
         """Every collective of more than one rank reports to the roll call; a small
@@ -330,7 +336,7 @@ class InProcessPort(Port):
 
     def skip(self, comm: Comm, prefix: Key, reason: str) -> None:
         if comm.size > 1:  # it counts, so that the roll's entry ends
-            self.absent(prefix, comm.size)
+            self._roll.join(_Absent(prefix, comm))
 
     def register(self, activity: Callable[[Hashable | None], str]) -> None:
         """How others can see what this session's CCLO is doing (for their errors)."""
