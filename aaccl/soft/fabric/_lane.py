@@ -479,12 +479,28 @@ class Lane:
         """An opening ended: start its transfer if every block agrees on one. The
         blocks are read here (the next opening reuses the buffer): a parked call
         whose blocks agree settles from them now (its data rode in them: no transfer,
-        nothing to finish), anyone else is given a copy."""
+        nothing to finish; `Op.set` ends it), anyone else is given a copy."""
         self._opening, self.stuck = None, ""
         gathered = self._gathered
         agreed = agree(gathered, self.size)
-        if agreed and op.call is not None:
-            events.append((op.set, (op.settle(),)))
+        call = op.call
+        if agreed and call is not None:  # settle: the parked call's result, from the blocks
+            op0, res, _, fold = op.ours  # type: ignore[misc]
+            try:
+                if fold is not None:  # an allreduce (`blocks.settle`'s, inline)
+                    first, second, rest, ufunc = fold
+                    ufunc(first, second, res)  # (`out` by position: half the cost)
+                    for row in rest:
+                        ufunc(res, row, res)
+                else:
+                    assert call.comm is not None and call.path is not None
+                    blocks.settle(call.fp, call.comm.rank, gathered,  # type: ignore[arg-type]
+                                  op0, res, call.path.combine)
+                settled = SETTLED
+            except Exception:  # a bug in the model fails this call, and nothing else
+                log.exception("soft CCLO: internal error settling a collective")
+                settled = BROKEN
+            events.append((op.set, (settled,)))
             return
         moving = False
         gone = self._ended[0] if self._ended and agreed and op.transfer is not None else None
@@ -627,8 +643,8 @@ class Op(Matched, Collective):
 
     A call whose data rides in the opening and whose opening starts at once (the
     lane holds nothing back: the common small collective) runs with no body
-    (`start`): it parks on its opening, whose end settles the data (`settle`, on the
-    thread that saw it end) and ends the call (`set`); anything else that ending
+    (`start`): it parks on its opening, whose end settles the data (`Lane._opened`,
+    on the thread that saw it end) and ends the call (`set`); anything else that ending
     brings (a verdict, a pending peer, a failure) is left to the body after all.
 
     Its other waits are made as they are needed: `turn` once its call waits for it
@@ -760,27 +776,6 @@ class Op(Matched, Collective):
             moves = transfer(self.lane.comm, fp, comm.rank, op0, res)
         self.lane.start(self, block, moves)
 
-    def settle(self) -> tuple[str]:
-        """The blocks of our parked call's opening agree (`Lane._opened`, with the
-        lane's lock, on the thread that saw it end, before another opening reuses
-        them): write our result. SETTLED, or BROKEN if that failed (a bug: logged)."""
-        try:
-            op0, res, _, fold = self.ours  # type: ignore[misc]
-            if fold is not None:  # an allreduce (`blocks.settle`'s, inline)
-                first, second, rest, ufunc = fold
-                ufunc(first, second, res)  # (`out` by position: half the cost)
-                for row in rest:
-                    ufunc(res, row, res)
-            else:
-                call = self.call
-                assert call is not None and call.comm is not None and call.path is not None
-                blocks.settle(call.fp, call.comm.rank, self.lane._gathered,  # type: ignore[arg-type]
-                              op0, res, call.path.combine)
-            return SETTLED
-        except Exception:  # a bug in the model fails this call, and nothing else
-            log.exception("soft CCLO: internal error settling a collective")
-            return BROKEN
-
     def set(self, value: Any = None) -> None:
         """The opening ended (an event): as any wait's end (`Wait.set`), but for a call
         parked on it with no body, which ends here (SETTLED: its result is in place),
@@ -794,13 +789,12 @@ class Op(Matched, Collective):
         del self.lane.alarm.parked[self]
         if value is SETTLED:
             call.finish(0)
-            return
-        if value is BROKEN:
+        elif value is BROKEN:
             call.abandon()
             call.finish(int(ErrorCode.DMA_INTERNAL_ERROR))
-            return
-        call.body = call.run()
-        call.resume(None)
+        else:
+            call.body = call.run()
+            call.resume(None)
 
     def expire(self) -> bool:
         """An MPI collective cannot be withdrawn: the call ends, its opening goes on
