@@ -126,7 +126,8 @@ async def _count(check: Checks, accl: aaccl.ACCL, lines: bool, pieces: bool = Fa
     assert dst[0] == accl.size * (accl.size + 1) // 2, dst[0]
     check()
     if pieces:
-        ops, posts, bodies = (made[fn.__code__] / TIMES for fn in (Op.__init__, Engine.post, Op.run))
+        ops, posts, bodies = (made[fn.__code__] / TIMES
+                              for fn in (Op.__init__, Engine.post, Op.run))
         say(f"budget rank={accl.rank} ops={ops:.2f} posts={posts:.2f} bodies={bodies:.2f}")
         return ops
     if not lines:

@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -639,7 +639,8 @@ class Op(Matched, Collective):
     exchange (done with what the opening brought, set by an event): its turn in the
     lane, the opening, then (if the data did not ride in it) MPI's collective moves
     the data. A call that ends before its turn is over still takes it, with a block
-    that says why. (`Lane.admit` makes one with no call: a rejected collective's.)
+    that says why. (`Lane.admit` makes one with no call: a collective the host
+    rejected, `MPIPort.skip`.)
 
     A call whose data rides in the opening and whose opening starts at once (the
     lane holds nothing back: the common small collective) runs with no body
@@ -673,7 +674,8 @@ class Op(Matched, Collective):
 
     def __init__(self, index: int, fp: Fingerprint | None, lane: Lane | None = None) -> None:
         self.done, self.value, self.waiter, self.timeout_code = False, None, None, RECEIVE_TIMEOUT
-        self.index, self.fp, self.lane = index, fp, lane  # type: ignore[assignment]  # (None: in no lane, a test's)
+        # (`lane` None: an op in no lane, a test's)
+        self.index, self.fp, self.lane = index, fp, lane  # type: ignore[assignment]
         self.block = self.transfer = self.turn = self.moved = self.call = self.ours = None
         self.issued = self.left = False
 
@@ -697,12 +699,12 @@ class Op(Matched, Collective):
         if fp is None or self.left or dev.gone:  # (a peer left: the body's)
             return False
         key = (fp, args.addr_0, args.addr_2)  # (a fingerprint first: no key of `array`'s)
-        ours = dev.views.get(key)
+        ours: Views | Literal[False] | None = dev.views.get(key)
         if ours is None:
             ours = self._views(call, fp, key)
         if ours is False:
             return False
-        mine = ours[2]  # type: ignore[index]
+        mine = ours[2]
         data = mine.tobytes() if mine is not None else None
         now = time.monotonic()  # (the opening's spin and the call's deadline count from it)
         with lane._lock:
@@ -729,7 +731,7 @@ class Op(Matched, Collective):
                     request = _Failed(error)
                 queue.popleft()
                 # (set before the lock goes: the opening may end, and settle, on another thread)
-                self.issued, self.turn, self.call, self.ours = True, TAKEN, call, ours  # type: ignore[assignment]
+                self.issued, self.turn, self.call, self.ours = True, TAKEN, call, ours
                 lane._opening = (request, self)
                 lane._spin_until = now + OPENING_SPIN
         if request is None:  # it waits for its turn: the body's
@@ -742,7 +744,8 @@ class Op(Matched, Collective):
             alarm.set(dev.timeout, deadline)
         return True
 
-    def _views(self, call: ScheduleCall, fp: Fingerprint, key: tuple[Any, ...]) -> Views | bool:
+    def _views(self, call: ScheduleCall, fp: Fingerprint,
+               key: tuple[Any, ...]) -> Views | Literal[False]:
         """For `start`, kept in the CCLO's views under `key` until memory is freed (a
         loop of small calls on the same buffers makes them once): the call's operand
         and result in device memory as far as it reaches into them, the part of the
@@ -754,7 +757,7 @@ class Op(Matched, Collective):
             if len(lane.shapes) >= SHAPES_KEPT:
                 lane.shapes.clear()
             shape = lane.shapes[fp] = _shape(lane, call, fp)
-        ours: Views | bool = False
+        ours: Views | Literal[False] = False
         if shape is not False:
             assert path is not None  # (decoded at admission)
             mine, reach0, reach2, fold = shape  # type: ignore[misc]
