@@ -730,7 +730,7 @@ class Op(Matched, Collective):
                     lane._hold(request, self)
                     request = _Failed(error)
                 queue.popleft()
-                # (set before the lock goes: the opening may end, and settle, on another thread)
+                # (under the lock: once it goes, the opening may end and settle on another thread)
                 self.issued, self.turn, self.call, self.ours = True, TAKEN, call, ours
                 lane._opening = (request, self)
                 lane._spin_until = now + OPENING_SPIN
