@@ -2,12 +2,16 @@
 
     mpiexec -n N python tests/mpi/budget.py allreduce
     mpiexec -n N python tests/mpi/budget.py lines
+    mpiexec -n N python tests/mpi/budget.py pieces
 
 Each rank counts, with sys.setprofile, the Python function calls of its part of one
 1-element float32 allreduce on device-resident buffers (asyncio), averaged over
 TIMES calls after a warm-up, and prints `budget rank=R calls=C`. `lines` counts the
 Python lines it runs instead (sys.settrace), by the same rules, and prints
 `budget rank=R lines=L` (aaccl's own, and all), then the functions that run most.
+`pieces` counts, by the same rules as `allreduce`, what a small collective is made
+of: the lane's objects (`Op`), the engine's events (`Engine.post`) and the bodies
+that run (`Op.run`), and prints `budget rank=R ops=O posts=P bodies=B`.
 
 What is counted is the call's own path, deterministic: the polls that find nothing
 (as many as the peer takes to answer) are left out (`MPIFabric.poll`, `_poll_once`
@@ -31,7 +35,8 @@ import aaccl
 from aaccl import ReduceFunction
 from aaccl.api import _bridge
 from aaccl.soft.fabric import _mpi
-from aaccl.soft.fabric._lane import Lane
+from aaccl.soft._engine import Engine
+from aaccl.soft.fabric._lane import Lane, Op
 
 TIMES = 200
 WARMUP = 100
@@ -45,7 +50,11 @@ async def lines(check: Checks, accl: aaccl.ACCL) -> float:
     return await _count(check, accl, lines=True)
 
 
-async def _count(check: Checks, accl: aaccl.ACCL, lines: bool) -> float:
+async def pieces(check: Checks, accl: aaccl.ACCL) -> float:
+    return await _count(check, accl, lines=False, pieces=True)
+
+
+async def _count(check: Checks, accl: aaccl.ACCL, lines: bool, pieces: bool = False) -> float:
     src = accl.allocate(1, np.float32)
     dst = accl.allocate(1, np.float32)
     src[:] = accl.rank + 1
@@ -61,11 +70,15 @@ async def _count(check: Checks, accl: aaccl.ACCL, lines: bool) -> float:
             Lane.poll.__code__}
     calls = 0
     ran: Counter[tuple[str, str]] = Counter()  # lines run, by (file, function)
+    made: Counter[Any] = Counter()  # `pieces`: calls of these functions
+    counted = {Op.__init__.__code__, Engine.post.__code__, Op.run.__code__}
 
     def profile(frame: FrameType, event: str, arg: object) -> None:
         nonlocal calls
         if event == "call" and frame.f_code not in vain:
             calls += 1
+            if frame.f_code in counted:
+                made[frame.f_code] += 1
 
     polled = poll.__code__
     idle = False  # the last poll found nothing: its waiter's lines until the next poll are vain
@@ -112,6 +125,11 @@ async def _count(check: Checks, accl: aaccl.ACCL, lines: bool) -> float:
     dst.sync_from_device()
     assert dst[0] == accl.size * (accl.size + 1) // 2, dst[0]
     check()
+    if pieces:
+        ops, posts, bodies = (made[fn.__code__] / TIMES
+                              for fn in (Op.__init__, Engine.post, Op.run))
+        say(f"budget rank={accl.rank} ops={ops:.2f} posts={posts:.2f} bodies={bodies:.2f}")
+        return ops
     if not lines:
         say(f"budget rank={accl.rank} calls={calls / TIMES:.2f}")
         return calls / TIMES
@@ -125,4 +143,4 @@ async def _count(check: Checks, accl: aaccl.ACCL, lines: bool) -> float:
 
 
 if __name__ == "__main__":
-    run_suite({"allreduce": allreduce, "lines": lines})
+    run_suite({"allreduce": allreduce, "lines": lines, "pieces": pieces})

@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -58,7 +58,6 @@ _TYPED = frozenset({"<f4", "<f8", "<i4", "<i8"})
 _REDUCING = frozenset({Scenario.REDUCE, Scenario.ALLREDUCE, Scenario.REDUCE_SCATTER})
 
 Post = Callable[..., None]
-_new = object.__new__
 
 SHAPES_KEPT = 4096
 """Distinct fingerprints whose shapes a lane keeps (`Lane.shapes`)."""
@@ -108,24 +107,6 @@ class Matched(Wait):
         return True
 
 
-class Opening(Matched):
-    """An opening in flight (made by `Op`, with RECEIVE_TIMEOUT). A call with no
-    body parks on it (`LaneTurn.start`): when the call ends before the opening does
-    (its deadline, an abort), `expire` lets its turn give its place up, as the body
-    does when the wait fails."""
-
-    __slots__ = ("turn",)
-
-    turn: LaneTurn | None  # the turn of the call parked on it
-
-    def expire(self) -> bool:
-        turn = self.turn
-        if turn is not None:
-            self.turn = None
-            turn.ended()
-        return True
-
-
 def keep_to_exit(holder: object) -> None:
     """Keep `holder` (a closed world's lane or fabric, whose transfers MPI may not
     have finished) and all it holds that MPI may still write into (a transfer's
@@ -151,7 +132,7 @@ TAKEN.set(None)
 
 
 class _Failed:
-    """An opening's request that MPI failed when first tested (`Lane.begin`): its
+    """An opening's request that MPI failed when first tested (`Op.start`): its
     test raises that error, as MPI's did."""
 
     __slots__ = ("error",)
@@ -161,37 +142,6 @@ class _Failed:
 
     def Test(self) -> bool:  # noqa: N802  (MPI's name)
         raise self.error
-
-
-class Op:
-    """One collective call's place in the lane.
-
-    Its waits are made as they are needed: `turn` once its call waits for it (while
-    it is None, nobody waits: the lane sets it done itself, TAKEN or with why), and
-    `moved` once MPI moves the data in a collective of its own."""
-
-    __slots__ = ("index", "fp", "block", "transfer", "turn", "opening", "moved", "gathered",
-                 "issued", "finished", "parked")
-
-    def __init__(self, index: int, fp: Fingerprint | None) -> None:
-        self.index = index  # its place in the lane: the same on every rank
-        self.fp = fp  # its call's, for a pending block (None: it takes its turn when it runs)
-        self.block: np.ndarray | bytearray | None = None  # set when the call starts or is withdrawn
-        # starts the data's MPI collective, and holds its operand and result until MPI is
-        # done with them (`_finish`): mpi4py's request does not keep them alive (not for
-        # Iallreduce), and a freed buffer MPI still writes into corrupts the heap (the
-        # world's device memory, freed as it closes on Ctrl-C, under a transfer that a
-        # departed peer left unfinished)
-        self.transfer: Callable[[], Any] | None = None
-        self.turn: Wait | None = None
-        self.opening = opening = _new(Opening)  # (no __init__: one call less per call)
-        opening.done, opening.value, opening.waiter = False, None, None
-        opening.timeout_code, opening.turn = RECEIVE_TIMEOUT, None
-        self.moved: Wait | None = None
-        self.gathered: bytearray | None = None
-        self.issued = False  # its opening has started
-        self.finished = False  # MPI is done with all of it
-        self.parked: LaneTurn | None = None  # its call, with no body: settled at the opening's end
 
 
 class Lane:
@@ -207,8 +157,8 @@ class Lane:
         self._queue: deque[Op] = deque()  # admitted, opening not started yet
         self._opening: tuple[Any, Op] | None = None  # in flight: holds the lane back
         self._moving: list[tuple[Any, Op]] = []  # transfers in flight
-        self._order: deque[Op] = deque()  # not finished yet, in lane order
         self._admitted = 0
+        self._stalled: int | None = None  # the first op that a peer's leaving left in flight
         self._ready = 0  # queued calls whose block is set (they wait for their turn only)
         self._spin_until = 0.0
         self.stuck = ""  # why calls behind the opening in flight fail now, if they do
@@ -230,9 +180,9 @@ class Lane:
             pass
         # by fingerprint, for a collective whose data rides in the opening: how many
         # elements this rank puts in its block, and how far the call reaches into its
-        # operand and result (False: the data does not ride in it); see LaneTurn.start
+        # operand and result (False: the data does not ride in it); see Op.start
         self.shapes: dict[Fingerprint, Shape | bool] = {}
-        # engine context: the calls parked on their openings (LaneTurn.start), with
+        # engine context: the calls parked on their openings (Op.start), with
         # their deadlines, under one engine timer: a call costs no timer of its own
         self.alarm = Alarm(engine, self._expire)
 
@@ -242,9 +192,8 @@ class Lane:
         """A collective was submitted: its place, in submission order. (No lock: only
         engine context admits, and a poller's `_pump` never starts the queue's last
         op before its call starts it: it is not ready, nor is one behind it.)"""
-        op = Op(self._admitted, fp)
+        op = Op(self._admitted, fp, self)
         self._admitted += 1
-        self._order.append(op)  # (first: `_finish` pops finished ops from there)
         self._queue.append(op)
         return op
 
@@ -252,9 +201,17 @@ class Lane:
     def finished(self) -> int:
         """How many of the lane's collectives MPI is done with, from the first on: a
         rank that leaves its world tells its peers, whose calls of the later ones
-        then fail at once (it takes no part in them), while MPI completes the others."""
-        order = self._order
-        return order[0].index if order else self._admitted
+        then fail at once (it takes no part in them), while MPI completes the others.
+        (Those not finished are queued, in flight, or stalled: see `left`.)"""
+        with self._lock:
+            first = [op.index for _, op in self._moving]
+            if self._opening is not None:
+                first.append(self._opening[1].index)
+            if self._queue:
+                first.append(self._queue[0].index)
+            if self._stalled is not None:
+                first.append(self._stalled)
+            return min(first, default=self._admitted)
 
     def withdraw(self, op: Op, block: np.ndarray | bytearray) -> None:
         """The call will not run (or gave up before its turn): it takes its turn with
@@ -283,42 +240,6 @@ class Lane:
         if events:
             self._emit(events)
 
-    def begin(self, op: Op, fp: Fingerprint, data: bytes | None, parked: LaneTurn,
-              now: float) -> bool:
-        """`start` for a running call with no transfer (its `data` rides in its block)
-        whose op is the lane's only one queued while nothing holds the lane back (the
-        common small collective): its opening starts at once, here, its turn is over
-        (TAKEN), and `parked` settles the call at the opening's end (`_opened`). False
-        if anything else is the case: the caller goes the general way (`start`).
-        Engine context; `now`: time.monotonic(), read by the caller."""
-        with self._lock:
-            queue = self._queue
-            if (self._opening is None and not self.stuck and len(queue) == 1
-                    and queue[0] is op and op.block is None and op.turn is None
-                    and self._dead_from is None and not self._ended):
-                send = self._send
-                if fp is not self._sent:  # (the fingerprints of like calls are one object)
-                    send[:] = blocks.TEMPLATES.get(fp) or blocks.template(fp)
-                    self._sent = fp
-                if data:
-                    send[blocks.HEAD:blocks.HEAD + len(data)] = data
-                try:
-                    request = self._open(op.index)
-                except Exception:  # MPI failed (a peer died): as `_pump` says
-                    return False
-                try:  # (MPI moves data only when called: our block leaves now, not at
-                    request.Test()  # our first poll, so a peer's first poll can end it)
-                except Exception as error:  # (a persistent request tests True after it)
-                    self._hold(request, op)
-                    request = _Failed(error)
-                queue.popleft()
-                op.block, op.gathered, op.issued, op.turn = send, self._gathered, True, TAKEN
-                op.parked = parked
-                self._opening = (request, op)
-                self._spin_until = now + OPENING_SPIN
-                return True
-        return False
-
     def _open(self, index: int) -> Any:
         """Start the opening of op `index`, whose block `_send` holds (with the lock):
         its request."""
@@ -340,12 +261,6 @@ class Lane:
         old.Free()
         return request
 
-    def unpark(self, op: Op) -> None:
-        """`op`'s call ended before its opening did: nothing settles it any more (it
-        may own its memory no longer)."""
-        with self._lock:
-            op.parked = None
-
     def close(self, free: bool) -> None:
         """The world closes (on any thread): start nothing in MPI from now on (a call
         that comes late fails at its turn), and free the lane's MPI objects if `free`
@@ -365,11 +280,11 @@ class Lane:
         self.comm.Free()
 
     @staticmethod
-    def _expire(overdue: list[LaneTurn]) -> None:
+    def _expire(overdue: list[Op]) -> None:
         """Calls parked past their deadlines (engine context) expire, every call's
         words first, as they are at the deadline."""
-        expiring = [(turn.call, turn.call.timeout_detail(turn.call.waiting))
-                    for turn in overdue if turn.call is not None and turn.call.waiting is not None]
+        expiring = [(op.call, op.call.timeout_detail(op.call.waiting))
+                    for op in overdue if op.call is not None and op.call.waiting is not None]
         for call, detail in expiring:
             call.expire(detail)
 
@@ -436,16 +351,20 @@ class Lane:
         with self._lock:
             if self._dead_from is None or index < self._dead_from:
                 self._dead_from, self._dead_why = index, why
-            if self._opening is not None and self._opening[1].index >= index:
-                self._graveyard.append(self._opening)
-                events.append((self._opening[1].opening.set, (why,)))
-                self._opening, self.stuck = None, ""
             hopeless = [(r, op) for r, op in self._moving if op.index >= index]
             if hopeless:
                 self._moving = [(r, op) for r, op in self._moving if op.index < index]
-                self._graveyard += hopeless
                 events += [(op.moved.set, (why,)) for _, op in hopeless
                            if op.moved is not None]
+            if self._opening is not None and self._opening[1].index >= index:
+                hopeless.append(self._opening)
+                events.append((self._opening[1].set, (why,)))
+                self._opening, self.stuck = None, ""
+            if hopeless:  # (MPI keeps them, never to finish: nor do they here)
+                self._graveyard += hopeless
+                stalled = min(op.index for _, op in hopeless)
+                if self._stalled is None or stalled < self._stalled:
+                    self._stalled = stalled
             self._pump(events)
         self._emit(events)
 
@@ -493,17 +412,17 @@ class Lane:
             gone = self._ended[0] if self._ended else None
             if gone is not None:
                 self._turn(op, None, events)
-                events.append((op.opening.set, (self._cannot(gone),)))
+                events.append((op.set, (self._cannot(gone),)))
                 self._finish(op)
                 continue
             # (BLOCK bytes: `_send` keeps its size; an ndarray is a buffer, see _blocks)
             self._send[:] = memoryview(op.block)  # type: ignore[arg-type]
-            self._sent, op.gathered = None, self._gathered
+            self._sent = None
             try:
                 request = self._open(op.index)
             except Exception as error:  # MPI failed (a peer died)
                 self._turn(op, None, events)
-                events.append((op.opening.set, (str(error),)))
+                events.append((op.set, (str(error),)))
                 self._finish(op)
                 continue
             self._opening = (request, op)
@@ -544,7 +463,7 @@ class Lane:
                 done = tested or request.Test()
             except Exception as error:
                 self._opening, self.stuck = None, ""
-                events.append((op.opening.set, (str(error),)))
+                events.append((op.set, (str(error),)))
                 self._hold(request, op)
                 self._finish(op)
                 self._pump(events)
@@ -559,35 +478,30 @@ class Lane:
     def _opened(self, op: Op, events: list[tuple[Post, tuple[Any, ...]]]) -> None:
         """An opening ended: start its transfer if every block agrees on one. The
         blocks are read here (the next opening reuses the buffer): a parked call
-        settles from them now, anyone else is given a copy."""
+        whose blocks agree settles from them now (its data rode in them: no transfer,
+        nothing to finish; `Op.set` ends it), anyone else is given a copy."""
         self._opening, self.stuck = None, ""
         gathered = self._gathered
         agreed = agree(gathered, self.size)
-        parked = op.parked
-        if parked is not None:  # (agreed: its data rode in the blocks, so no transfer)
-            op.parked = None
-            if agreed:  # (`_finish`, inline: this is every small collective's end)
-                op.finished = True
-                op.block = op.gathered = None
-                order = self._order
-                while order and order[0].finished:
-                    order.popleft()
-                try:  # settle: the parked call's result, from the blocks
-                    fold = parked.fold
-                    if fold is not None:  # an allreduce (`blocks.settle`'s, inline)
-                        first, second, rest, ufunc = fold
-                        res = parked.res
-                        ufunc(first, second, res)  # (`out` by position: half the cost)
-                        for row in rest:
-                            ufunc(res, row, res)
-                    else:
-                        parked.settle()
-                    settled = SETTLED
-                except Exception:  # a bug in the model fails this call, and nothing else
-                    log.exception("soft CCLO: internal error settling a collective")
-                    settled = BROKEN
-                events.append((op.opening.set, (settled,)))
-                return
+        call = op.call
+        if agreed and call is not None:  # settle: the parked call's result, from the blocks
+            op0, res, _, fold = op.ours  # type: ignore[misc]
+            try:
+                if fold is not None:  # an allreduce (`blocks.settle`'s, inline)
+                    first, second, rest, ufunc = fold
+                    ufunc(first, second, res)  # (`out` by position: half the cost)
+                    for row in rest:
+                        ufunc(res, row, res)
+                else:
+                    assert call.comm is not None and call.path is not None
+                    blocks.settle(call.fp, call.comm.rank, gathered,  # type: ignore[arg-type]
+                                  op0, res, call.path.combine)
+                settled = SETTLED
+            except Exception:  # a bug in the model fails this call, and nothing else
+                log.exception("soft CCLO: internal error settling a collective")
+                settled = BROKEN
+            events.append((op.set, (settled,)))
+            return
         moving = False
         gone = self._ended[0] if self._ended and agreed and op.transfer is not None else None
         if gone is not None:
@@ -605,16 +519,15 @@ class Lane:
                 self._finish(op)
         if not moving:
             self._finish(op)
-        events.append((op.opening.set, ((bytearray(gathered), agreed, moving),)))
+        events.append((op.set, ((bytearray(gathered), agreed, moving),)))
 
-    def _finish(self, op: Op, held: bool = False) -> None:
-        op.finished = True
-        op.block = op.gathered = None
+    @staticmethod
+    def _finish(op: Op, held: bool = False) -> None:
+        """MPI is done with all of `op` (or keeps it: `held`): what it held goes with
+        its call (the lane holds it no more)."""
+        op.block = None
         if not held:  # (else `_hold` keeps its transfer's buffers)
             op.transfer = None
-        order = self._order
-        while order and order[0].finished:
-            order.popleft()
 
     def _hold(self, request: Any, op: Op) -> None:
         """MPI failed a test of `request` (a peer died, most often), which need not
@@ -698,7 +611,7 @@ folded with a ufunc in rank order."""
 Shape = tuple[int, int, int, Fold | None]
 Views = tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None, Fold | None]
 """A call's operand and result, the part of its operand its block carries, and its
-fold (`LaneTurn._views`)."""
+fold (`Op._views`)."""
 
 
 def _shape(lane: Lane, call: ScheduleCall, fp: Fingerprint) -> Shape | bool:
@@ -720,86 +633,119 @@ def _shape(lane: Lane, call: ScheduleCall, fp: Fingerprint) -> Shape | bool:
     return blocks.share(fp, comm.rank) if reach[0] else 0, reach[0], reach[2], fold
 
 
-class LaneTurn(Collective):
-    """A call of one of the world's collectives over MPI (`MPIPort.collective`):
-    its turn in the lane, the opening exchange, then (if the data did not ride in
-    it) MPI's collective moves the data. A call that ends before its turn is over
-    still takes it, with a block that says why.
+class Op(Matched, Collective):
+    """One collective call's place in the lane, which is also how its call takes
+    part in the collective (`MPIPort.collective`) and the wait for its opening
+    exchange (done with what the opening brought, set by an event): its turn in the
+    lane, the opening, then (if the data did not ride in it) MPI's collective moves
+    the data. A call that ends before its turn is over still takes it, with a block
+    that says why. (`Lane.admit` makes one with no call: a collective the host
+    rejected, `MPIPort.skip`.)
 
     A call whose data rides in the opening and whose opening starts at once (the
     lane holds nothing back: the common small collective) runs with no body
-    (`start`): it parks on its opening, whose end settles the data and ends the
-    call (`_opened`); anything else that ending brings (a verdict, a pending peer)
-    is left to the body after all."""
+    (`start`): it parks on its opening, whose end settles the data (`Lane._opened`,
+    on the thread that saw it end) and ends the call (`set`); anything else that ending
+    brings (a verdict, a pending peer, a failure) is left to the body after all.
 
-    __slots__ = ("lane", "op", "index", "begun", "call", "op0", "res", "fold")
+    Its other waits are made as they are needed: `turn` once its call waits for it
+    (while it is None, nobody waits: the lane sets it done itself, TAKEN or with
+    why), and `moved` once MPI moves the data in a collective of its own."""
 
-    # (no __init__, one call less per call: `MPIPort.collective` sets `lane`, then
-    # `join` or `reject` the rest)
+    __slots__ = ("lane", "index", "fp", "block", "transfer", "turn", "moved", "issued", "left",
+                 "call", "ours")
+
     lane: Lane
-    op: Op | None  # its place among the collectives MPI runs
-    index: int  # ... which stays known once it left the lane
-    begun: bool  # its block is in the lane (`_begin`)
-    call: ScheduleCall | None  # parked on its opening, with no body
-    op0: np.ndarray | None  # ... and its operand and result
-    res: np.ndarray | None
-    fold: Fold | None  # ... and how it settles, if an allreduce (`_shape`)
+    index: int  # its place in the lane: the same on every rank
+    fp: Fingerprint | None  # its call's, for a pending block (None: it takes its turn when it runs)
+    block: np.ndarray | bytearray | None  # set when the call starts or is withdrawn
+    # starts the data's MPI collective, and holds its operand and result until MPI is
+    # done with them (`Lane._finish`): mpi4py's request does not keep them alive (not
+    # for Iallreduce), and a freed buffer MPI still writes into corrupts the heap (the
+    # world's device memory, freed as it closes on Ctrl-C, under a transfer that a
+    # departed peer left unfinished)
+    transfer: Callable[[], Any] | None
+    turn: Wait | None
+    moved: Wait | None
+    issued: bool  # its opening has started
+    left: bool  # its call gave its place up (`leave`), or never had one to give
+    call: ScheduleCall | None  # parked on the opening, with no body (`start`): settled at its end
+    ours: Views | None  # ... and its operand, result and fold (`_views`)
+
+    def __init__(self, index: int, fp: Fingerprint | None, lane: Lane | None = None) -> None:
+        self.done, self.value, self.waiter, self.timeout_code = False, None, None, RECEIVE_TIMEOUT
+        # (`lane` None: an op in no lane, a test's)
+        self.index, self.fp, self.lane = index, fp, lane  # type: ignore[assignment]
+        self.block = self.transfer = self.turn = self.moved = self.call = self.ours = None
+        self.issued = self.left = False
 
     def join(self, call: CollectiveCall) -> tuple[int, str] | None:
-        lane = self.lane  # (`Lane.admit` and `Op.__init__`, inline: on every collective's path)
-        self.op = op = _new(Op)
-        op.index, op.fp = lane._admitted, call.fp  # (its fingerprint: see Lane._pump)
-        op.block = op.transfer = op.turn = op.moved = op.gathered = op.parked = None
-        op.issued = op.finished = False
-        op.opening = opening = _new(Opening)
-        opening.done, opening.value, opening.waiter = False, None, None
-        opening.timeout_code, opening.turn = RECEIVE_TIMEOUT, None
-        self.index, self.begun, self.call, self.op0, self.res = \
-            lane._admitted, False, None, None, None
+        lane = self.lane  # (`Lane.admit`, inline: on every collective's path)
+        self.index, self.fp = lane._admitted, call.fp  # (its fingerprint: see Lane._pump)
         lane._admitted += 1
-        lane._order.append(op)
-        lane._queue.append(op)
+        lane._queue.append(self)
         return None
 
     def reject(self, call: CollectiveCall, failed: CallFailed) -> None:
-        self.op = self.lane.admit()
-        self.index, self.begun, self.call, self.op0, self.res = \
-            self.op.index, False, None, None, None
+        self.join(call)
         self.leave(call, failed.code, failed.detail)
 
     def start(self, call: ScheduleCall) -> bool:
         """Run a collective whose data rides in the opening with no body, when its
-        opening starts at once: True once it is parked on it; False for the body."""
-        op, fp, lane, dev, args = self.op, call.fp, self.lane, call.dev, call.args
-        if op is None or fp is None or dev.gone:  # (a peer left: the body's)
+        opening starts at once (`Lane.start`'s case where the lane's only queued op
+        is ours and nothing holds it back: the opening starts here, our turn is over,
+        TAKEN): True once it is parked on it; False for the body."""
+        fp, lane, dev, args = call.fp, self.lane, call.dev, call.args
+        if fp is None or self.left or dev.gone:  # (a peer left: the body's)
             return False
         key = (fp, args.addr_0, args.addr_2)  # (a fingerprint first: no key of `array`'s)
-        ours = dev.views.get(key)
+        ours: Views | Literal[False] | None = dev.views.get(key)
         if ours is None:
             ours = self._views(call, fp, key)
         if ours is False:
             return False
-        op0, res, mine, fold = ours  # type: ignore[misc]
+        mine = ours[2]
         data = mine.tobytes() if mine is not None else None
-        self.begun = True
-        # (set before the opening starts: it may end, and settle, on another thread)
-        self.call, self.op0, self.res, self.fold = call, op0, res, fold
         now = time.monotonic()  # (the opening's spin and the call's deadline count from it)
-        if not lane.begin(op, fp, data, self, now):  # it waits for its turn: the body's
-            self.call = self.op0 = self.res = self.fold = None
-            lane.start(op, blocks.opening(fp, data), None)
+        with lane._lock:
+            queue = lane._queue
+            if lane._opening is not None or lane.stuck or len(queue) != 1 or queue[0] is not self \
+                    or lane._dead_from is not None or lane._ended:
+                request = None
+            else:
+                send = lane._send
+                if fp is not lane._sent:  # (the fingerprints of like calls are one object)
+                    send[:] = blocks.TEMPLATES.get(fp) or blocks.template(fp)
+                    lane._sent = fp
+                if data:
+                    send[blocks.HEAD:blocks.HEAD + len(data)] = data
+                try:
+                    request = lane._open(self.index)
+                except Exception:  # MPI failed (a peer died): as `_pump` says
+                    request = None
+            if request is not None:
+                try:  # (MPI moves data only when called: our block leaves now, not at
+                    request.Test()  # our first poll, so a peer's first poll can end it)
+                except Exception as error:  # (a persistent request tests True after it)
+                    lane._hold(request, self)
+                    request = _Failed(error)
+                queue.popleft()
+                # (under the lock: once it goes, the opening may end and settle on another thread)
+                self.issued, self.turn, self.call, self.ours = True, TAKEN, call, ours
+                lane._opening = (request, self)
+                lane._spin_until = now + OPENING_SPIN
+        if request is None:  # it waits for its turn: the body's
+            lane.start(self, blocks.opening(fp, data), None)
             return False
-        opening = op.opening
-        opening.turn = self
-        opening.waiter = self._opened
-        call.waiting = opening
+        call.waiting = self
         alarm = lane.alarm  # (`Alarm.park`, inline: on every small collective's path)
         alarm.parked[self] = deadline = now + dev.timeout
         if deadline < alarm.at:
             alarm.set(dev.timeout, deadline)
         return True
 
-    def _views(self, call: ScheduleCall, fp: Fingerprint, key: tuple[Any, ...]) -> Views | bool:
+    def _views(self, call: ScheduleCall, fp: Fingerprint,
+               key: tuple[Any, ...]) -> Views | Literal[False]:
         """For `start`, kept in the CCLO's views under `key` until memory is freed (a
         loop of small calls on the same buffers makes them once): the call's operand
         and result in device memory as far as it reaches into them, the part of the
@@ -811,7 +757,7 @@ class LaneTurn(Collective):
             if len(lane.shapes) >= SHAPES_KEPT:
                 lane.shapes.clear()
             shape = lane.shapes[fp] = _shape(lane, call, fp)
-        ours: Views | bool = False
+        ours: Views | Literal[False] = False
         if shape is not False:
             assert path is not None  # (decoded at admission)
             mine, reach0, reach2, fold = shape  # type: ignore[misc]
@@ -824,57 +770,52 @@ class LaneTurn(Collective):
     def _begin(self, call: ScheduleCall, op0: np.ndarray | None, res: np.ndarray | None,
                inline: bool) -> None:
         """Put our block in the lane, and our data's transfer if MPI moves it."""
-        op, fp, comm = self.op, call.fp, call.comm
-        assert op is not None and fp is not None and comm is not None
-        self.begun = True
+        fp, comm = call.fp, call.comm
+        assert fp is not None and comm is not None
         mine = blocks.share(fp, comm.rank) if inline and op0 is not None else 0
         block = blocks.opening(fp, op0[:mine].tobytes() if mine and op0 is not None else None)
         moves = None
         if not inline and runs_natively(fp):
             moves = transfer(self.lane.comm, fp, comm.rank, op0, res)
-        self.lane.start(op, block, moves)
+        self.lane.start(self, block, moves)
 
-    def settle(self) -> None:
-        """The blocks of our parked call's opening agree (`Lane._opened`, with the
-        lane's lock, on the thread that saw it end, before another opening reuses
-        them): write our result (an allreduce's fold is the lane's own)."""
+    def set(self, value: Any = None) -> None:
+        """The opening ended (an event): as any wait's end (`Wait.set`), but for a call
+        parked on it with no body, which ends here (SETTLED: its result is in place),
+        or whose body takes over (anything else: a verdict, a pending peer, a failure)."""
         call = self.call
-        assert call is not None
-        comm, path = call.comm, call.path
-        assert comm is not None and path is not None
-        blocks.settle(call.fp, comm.rank, self.lane._gathered,  # type: ignore[arg-type]
-                      self.op0, self.res, path.combine)
-
-    def _opened(self, wait: Wait) -> None:
-        """The opening of our call with no body ended (engine context: an event): end
-        the call (its result is in place: `settle`), or let its body take over."""
-        call = self.call
-        assert call is not None and isinstance(wait, Opening)
-        wait.turn = self.call = None
+        if call is None:
+            Wait.set(self, value)
+            return
+        self.done, self.value, self.call, self.ours = True, value, None, None
         call.waiting = None
         del self.lane.alarm.parked[self]
-        opened = wait.value
-        self.op0 = self.res = self.fold = None
-        if opened is SETTLED:
+        if value is SETTLED:
             call.finish(0)
-            return
-        if opened is BROKEN:
+        elif value is BROKEN:
             call.abandon()
             call.finish(int(ErrorCode.DMA_INTERNAL_ERROR))
-            return
-        call.body = call.run()  # a verdict, a pending peer, a failure: as the body says
-        call.resume(None)
+        else:
+            call.body = call.run()
+            call.resume(None)
+
+    def expire(self) -> bool:
+        """An MPI collective cannot be withdrawn: the call ends, its opening goes on
+        (`ended`, for a call parked on it)."""
+        if self.call is not None:
+            self.ended()
+        return True
 
     def ended(self) -> None:
         """Our call with no body ends while its opening is in flight (its deadline, an
-        abort, a peer's failure): as the body does when that wait fails."""
-        call = self.call
+        abort, a peer's failure): as the body does when that wait fails. Nothing
+        settles it from now on (it may own its memory no longer)."""
+        lane = self.lane
+        with lane._lock:
+            call, self.call, self.ours = self.call, None, None
         if call is None:
             return
-        if self.op is not None:
-            self.lane.unpark(self.op)
-        self.call = self.op0 = self.res = self.fold = None
-        self.lane.alarm.parked.pop(self, None)
+        lane.alarm.parked.pop(self, None)
         if not call.failure and call.aborting is None:  # its deadline: it gave up
             self.leave(call, RECEIVE_TIMEOUT, None, timed_out=True)
         call.abandon()
@@ -882,25 +823,25 @@ class LaneTurn(Collective):
     def run(self, call: ScheduleCall) -> Generator[Wait, Any, bool]:
         """Take our turn in the lane: the opening exchange, then (if the data did not
         ride in it) MPI's collective moves it. False: MPI cannot, the schedule must."""
-        if self.op is None:
+        if self.left:
             return False
         try:
             comm, fp = call.comm, call.fp
-            op = self.op
-            assert comm is not None and op is not None and fp is not None
+            assert comm is not None and fp is not None
             path, op0, res = _operands(call)
             inline = blocks.fits(fp)
-            if not op.issued and not self.begun:
+            if not self.issued and self.block is None:
                 # (else it took its turn while pending: the schedule runs it)
                 self._begin(call, op0, res, inline)
             try:
-                assert op.turn is not None  # (made when its call waits for it: see Op)
-                why = op.turn.value if op.turn.done else (yield op.turn)
+                turn = self.turn
+                assert turn is not None  # (made when its call waits for it: see Op)
+                why = turn.value if turn.done else (yield turn)
                 if isinstance(why, Aborted):  # a peer left the world: it never runs
                     raise CallFailed(RECEIVE_TIMEOUT, str(why), error=why)
                 if why:
                     raise CallFailed(RECEIVE_TIMEOUT, why)
-                opened = op.opening.value if op.opening.done else (yield op.opening)
+                opened = self.value if self.done else (yield self)
                 if isinstance(opened, Aborted):
                     raise CallFailed(RECEIVE_TIMEOUT, str(opened), error=opened)
             except CallFailed as failed:
@@ -918,8 +859,9 @@ class LaneTurn(Collective):
                 return True
             if not moving:
                 return False
-            assert op.moved is not None  # (made when MPI moves the data on its own)
-            error = op.moved.value if op.moved.done else (yield op.moved)
+            moved = self.moved
+            assert moved is not None  # (made when MPI moves the data on its own)
+            error = moved.value if moved.done else (yield moved)
             if isinstance(error, Aborted):
                 raise CallFailed(RECEIVE_TIMEOUT, str(error), error=error)
             if error:
@@ -958,18 +900,18 @@ class LaneTurn(Collective):
         turn, with a block that says why (MPI must see the same collectives on every
         rank); if its opening is in flight and we gave up on the peers, the calls
         queued behind it fail at once."""
-        op, lane, comm = self.op, self.lane, call.comm
-        if op is None or comm is None:
+        lane, comm = self.lane, call.comm
+        if self.left or comm is None:
             return
-        self.op = None
-        if not op.issued:
+        self.left = True
+        if not self.issued:
             fp = call.fp or (call.args.scenario, call.args.count, "", "", None, None, comm.size)
             block = np.empty(blocks.BLOCK, np.uint8)
             blocks.encode(block, fp, state=blocks.FAILED if code else blocks.ABORTED,
                           code=code, why=call.notice(code, why))
-            lane.withdraw(op, block)
-        elif timed_out and not op.opening.done:
-            lane.abandoned(op, f"it was queued behind rank {call.dev.session}'s "
+            lane.withdraw(self, block)
+        elif timed_out and not self.done:
+            lane.abandoned(self, f"it was queued behind rank {call.dev.session}'s "
                                f"{call.describe()}, which gave up on its peers while MPI "
                                "still matched it (it fails until they come)")
 
@@ -994,7 +936,6 @@ class LaneTurn(Collective):
             return None
         peers = call.peers_waited(wait)
         who = f"rank{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))}"
-        stage = "allgather that opens" if self.op is not None and wait is self.op.opening \
-            else "collective that moves the data of"
+        stage = "allgather that opens" if wait is self else "collective that moves the data of"
         return (f"MPI's {stage} the collective with {who}"
                 + (" (MPI does not say which of them is missing)" if len(peers) > 1 else ""))

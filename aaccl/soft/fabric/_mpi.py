@@ -69,7 +69,7 @@ from ..._errors import Aborted
 from .._engine import Engine, Wait
 from . import _blocks as blocks
 from ._inbox import Inbox
-from ._lane import Lane, LaneTurn, keep_to_exit
+from ._lane import Lane, Op, keep_to_exit
 from ._message import Collective, Key, Message, MessageState, Port
 
 if TYPE_CHECKING:
@@ -123,8 +123,6 @@ _closes = 0  # how many are under way (on any thread)
 _ended: list[str] = []  # why a process of the job ended (`process_lost`), once one has
 _dead: dict[int, str] = {}
 
-
-_new = object.__new__
 
 
 def _payload_tag(msg_id: int) -> int:
@@ -899,9 +897,7 @@ class MPIPort(Port):
         assert comm is not None
         lane = fabric.lane if comm.key == fabric.world_key else None  # (`lane`, inline)
         if lane is not None and not args.stream_flags:
-            turn = _new(LaneTurn)  # (no __init__: see LaneTurn)
-            turn.lane = lane
-            return turn
+            return Op(0, None, lane)  # (its place in the lane: at `join`)
         if args.scenario in _ROOT_RECEIVES and comm.size > 1 and comm.rank == args.root_src_dst:
             return _ANNOUNCE
         return None
