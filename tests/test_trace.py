@@ -12,6 +12,7 @@ import pytest
 
 import aaccl
 from aaccl import ReduceFunction
+from aaccl._constants import Scenario
 from aaccl._trace import Span, Trace, active, lane_names
 from aaccl.cli import main as cli
 
@@ -150,7 +151,7 @@ def test_a_traced_calls_span_is_in_the_trace_before_anyone_wakes() -> None:
         async with aaccl.open_world(1) as (accl,):
             with aaccl.tracing() as trace:
                 dev = DeviceCall(None)
-                call = accl._track("kernel", "kernel", dev, (), time.perf_counter_ns())
+                call = accl._submit("kernel", Scenario.NOP, (), start=lambda _: dev, engine="kernel")
                 spans_when_woken: list[int] = []
                 call._register(lambda: spans_when_woken.append(
                     sum(s.engine == "kernel" for s in trace.spans)))

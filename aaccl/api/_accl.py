@@ -436,13 +436,6 @@ class ACCL:
             order.last = (task, call._name, _weakref(call))
         return call
 
-    def _track(self, op: str, engine: str, call: DeviceCall, deps: tuple[Call, ...],
-               submitted: int = 0) -> Call:
-        """The rank's Call of a device call started elsewhere, adopted as `_submit`
-        adopts its own (tests hand it one; `_submit` takes the time of submission
-        itself, so `submitted` only says that the caller had one)."""
-        return self._submit(op, _NOP, deps, start=lambda _: call, engine=engine)
-
     def _message_order(self, comm_id: int) -> Order:
         """The message order of communicator `comm_id`, which communicators of the same
         members (in the same order) share, as on a card (docs/concepts/concurrency.md)."""

@@ -1,7 +1,7 @@
 """What a call's end means to the user who made it: its error, from the device's
 return code, its dependencies and its host sync. `Call` itself is one object from
 the device to the awaiting task (`aaccl.devices.Call`); a rank adopts the calls it
-submits (`ACCL._track`), and their outcome is worked out here."""
+submits (`ACCL._submit`), and their outcome is worked out here."""
 
 from __future__ import annotations
 
