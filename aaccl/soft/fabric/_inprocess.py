@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import time
 from collections.abc import Callable, Hashable
 from functools import reduce
 from typing import TYPE_CHECKING
@@ -27,7 +26,6 @@ from ._message import Collective, Fingerprint, Message, MessageState, Port
 log = logging.getLogger("aaccl")
 RECEIVE_TIMEOUT = int(ErrorCode.RECEIVE_TIMEOUT_ERROR)
 _new = object.__new__
-_monotonic = time.monotonic
 _OPERAND = operator.itemgetter(0)  # (of a rank's entry in `Meeting.arrived`)
 
 if TYPE_CHECKING:
@@ -264,10 +262,7 @@ class _Meet(_RollCall):
         seat.meeting, seat.rank, call.waiting = meeting, rank, seat
         meeting.waiting[rank] = call
         if len(meeting.waiting) == 1:  # the first to sit down sets the meeting's deadline
-            alarm = self.port.fabric.alarm  # (`Alarm.park`, in line: once per collective)
-            alarm.parked[meeting] = deadline = _monotonic() + dev.timeout
-            if deadline < alarm.at:
-                alarm.set(dev.timeout, deadline)
+            self.port.fabric.alarm.park(meeting, dev.timeout)
         if dev.gone:  # waits for a rank that left the world?
             sessions = call.comm.sessions  # type: ignore[union-attr]
             gone = [sessions[r] for r in seat.missing() if sessions[r] in dev.gone]
