@@ -26,7 +26,8 @@ RANKS = 4
 ALLREDUCE_BUDGET = 52
 """Python calls per rank for one 1-element float32 allreduce of 4 in-process ranks
 on device-resident buffers, asyncio.gather and the event loop's own included (about
-27 of them): 51.00 once a soft call has no constructor of its own, the roll call counts
+27 of them): 51.25 once the first rank to sit down parks the meeting's deadline
+through `Alarm.park` again (no copy of it); 51.00 once a soft call has no constructor of its own, the roll call counts
 a rank and makes the meeting in `_RollCall.join`, and the meeting's deadline is
 parked in line; 53.50 once every call goes one way, `_submit`, which adopts and books
 the device's call itself (no `_track` frame); 54.50 once the roll call's count is one method of the fabric (shared
