@@ -149,8 +149,9 @@ def test_a_failed_chain_of_100000_calls_reports_its_root_without_recursion(caplo
         _outcome = staticmethod(outcome)
 
     def adopted(name: str, deps: tuple[aaccl.Call, ...]) -> aaccl.Call:
-        call = DeviceCall(None)
-        call._adopt(rank, name, deps, None, None, (), None)
+        call = DeviceCall(None)  # (adopted as `ACCL._submit` does, with nothing to book)
+        call._name, call._origin, call._buffers, call._deps = name, None, (), deps
+        call.owner, call._finish, call._on_done = rank, None, None
         return call
 
     rank = Rank()

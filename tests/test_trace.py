@@ -115,7 +115,9 @@ def test_a_calls_end_is_stamped_before_its_owner_is_told() -> None:
             told.append((dev.ended, time.perf_counter_ns()))
 
     dev = DeviceCall(None)
-    dev._adopt(Owner(), "call", (), lambda: None, None, (), None)  # (a sync: work for its owner)
+    # adopted as `ACCL._submit` does, with a sync: work for its owner
+    dev._name, dev._origin, dev._buffers, dev._deps = "call", None, (), ()
+    dev.owner, dev._finish, dev._on_done = Owner(), lambda: None, None
     dev._used = True
     dev.add_done_callback(lambda d: told.append((d.ended, time.perf_counter_ns())))
     before = time.perf_counter_ns()

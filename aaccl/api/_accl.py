@@ -156,7 +156,8 @@ class ACCL:
         self._driver = driver
         world = driver.comm(GLOBAL_COMM)
         self._rank, self._size = world.local_rank, len(world.ranks)
-        self._lock = threading.Lock()
+        self._lock = Call._lock  # (every call's, so that adopting one and booking it is
+        # one critical section, and so are completing and forgetting it: see `LOCK`)
         self._outstanding: set[Call] = set()
         # the device memory of unfinished calls, and which earlier calls each waits for
         # because of it (for its DependencyError); both guarded by _lock
@@ -402,12 +403,16 @@ class ACCL:
         frame = _getframe(depth)
         while "_API_LAYER" in frame.f_globals:
             frame = frame.f_back  # type: ignore[assignment]  # the user's is further up
-        name = (op, self._rank, self._ncalls, "" if not comm_id else f", communicator {comm_id}")
-        if call._adopt(self, name, deps + hazards if hazards else deps,
-                       None if sync_out is None else sync_out.sync_from_device, on_done, buffers,
-                       (frame.f_code, frame.f_lasti, frame.f_globals)):
-            with self._lock:  # not ended yet: its books, unless it ended since (`_forget` ran)
-                if not call._finished:
+        call._name = (op, self._rank, self._ncalls,
+                      "" if not comm_id else f", communicator {comm_id}")
+        call._origin = (frame.f_code, frame.f_lasti, frame.f_globals)
+        call._buffers, call._deps = buffers, deps + hazards if hazards else deps
+        finish = None if sync_out is None else sync_out.sync_from_device
+        pending = False
+        if not call._settled:  # (once settled it stays so: a nop's needs no lock)
+            with self._lock:  # (every call's: its completion runs `_forget` under it)
+                if not call._settled:  # adopted, with its books, in one critical section
+                    pending, call.owner, call._finish, call._on_done = True, self, finish, on_done
                     self._outstanding.add(call)
                     if reads or writes:  # (alone in the books: one slot, set in line)
                         if book._one is None and not book._regions and not book._lone:
@@ -418,8 +423,11 @@ class ACCL:
                         self._hazard_deps[call], hazards = hazards, ()
                     if sync_out is not None and sync_out.size:  # (what it syncs out once run)
                         self._syncs_out[call] = _span(sync_out, sync_out.size)[0]
-        elif submitted:  # ended on the spot (a nop, the last rank of a meeting, a failure)
-            on_done(call)
+        if not pending:  # ended on the spot (a nop, the last rank of a meeting, a failure)
+            call._ended(self, finish)
+            if submitted:  # (its run is traced all the same)
+                with self._lock:
+                    on_done(call)
         if hazards:  # it ended already: nobody has seen its error yet
             self._explain(call, hazards)
         if comm_id is not None and scenario is not _SEND and scenario is not _RECV:
@@ -537,21 +545,20 @@ class ACCL:
     _wait = staticmethod(_bridge.wait)  # (how a Call waits where asyncio's future cannot)
 
     def _forget(self, call: Call) -> None:
-        """A tracked call ended (its `on_done`): its records go, in a few lines where
-        it was alone in the books."""
-        with self._lock:
-            self._outstanding.discard(call)
-            book = self._hazards
-            if book._one is call:
-                book._one = book._one_spans = None
-            elif book._held or book._solo:  # (every call the books list is in one of them)
-                book.discard(call)
-            if not self._syncs_out and not self._hazard_deps:
-                return
+        """A tracked call ended (its `on_done`, run under the lock its completion holds,
+        which is this rank's: `Call._lock`): its records go, in a few lines where it
+        was alone in the books."""
+        self._outstanding.discard(call)
+        book = self._hazards
+        if book._one is call:
+            book._one = book._one_spans = None
+        elif book._held or book._solo:  # (every call the books list is in one of them)
+            book.discard(call)
+        if self._syncs_out or self._hazard_deps:
             self._syncs_out.pop(call, None)
             hazards = self._hazard_deps.pop(call, None)
-        if hazards is not None:
-            self._explain(call, hazards)
+            if hazards is not None:
+                self._explain(call, hazards)
 
     @staticmethod
     def _explain(call: Call, hazards: tuple[Call, ...]) -> None:

@@ -3,8 +3,11 @@
 One object carries a call all the way: the device makes it (`Device.start`, or a
 subclass, as the soft CCLO's state machine is) and completes it with a return code;
 the rank that submitted it (`aaccl.ACCL`) adopts it, and it is what the user awaits,
-passes in `waitfor` and reads. So a call has one lock and one completion: no
-handshake between an API object and a device object, no second list of callbacks.
+passes in `waitfor` and reads. So a call has one completion: no handshake between an
+API object and a device object, no second list of callbacks. Every call shares one
+lock (`LOCK`) with the ranks that adopt calls: a rank adopts a call and books it in
+one critical section, and the completion that settles it forgets it in the same
+critical section, so a call costs no lock of its own and two acquisitions in all.
 
 Devices also make calls nobody adopts (a host job, a step of a call run as several,
 a wait for a host sync): those have no owner, never warn, and complete the same way.
@@ -34,6 +37,11 @@ _running_loop = asyncio._get_running_loop  # None outside asyncio (trio, a threa
 _ident = threading.get_ident
 _UNKNOWN = object()  # a loop that does not say which thread runs it (not asyncio's own)
 _now = time.perf_counter_ns
+
+LOCK = threading.Lock()
+"""The lock of every call's state, and of the books of the ranks that adopt them
+(`aaccl.ACCL`). Held for a few stores at a time, never while calling out but for the
+owner's `_on_done` (its books): no lock is ever taken under it."""
 
 Origin = tuple[CodeType, int, dict[str, Any]]
 """Where a call was made: the code, instruction offset and globals of the frame that
@@ -164,11 +172,12 @@ class Call:
     chain is too long for the stack.
     """
 
-    __slots__ = ("args", "_lock", "_callbacks", "_wakers", "retcode", "aborted", "error",
+    __slots__ = ("args", "_callbacks", "_wakers", "retcode", "aborted", "error",
                  "started", "ended", "detail", "_settled", "_finished", "owner", "_error",
                  "_name", "_retrieved", "_used", "_given_up", "_deps", "_buffers", "_finish",
                  "_on_done", "_origin", "_seen", "__weakref__")
 
+    _lock = LOCK  # (one for all: see `LOCK`)
     retcode: int
     aborted: bool  # a dependency failed, so the call never ran
     error: Exception | None  # the device could not run it, or host work raised
@@ -183,12 +192,15 @@ class Call:
     _settled: bool  # the device set its outcome
     _finished: bool  # ... and its owner has made it the call's error: it is done
     _error: BaseException | None  # what awaiting it raises
-    # (the API's: set when a rank adopts the call, `_adopt`; the flags start False)
+    # (the API's: set when a rank adopts the call, `ACCL._submit`; the flags start False)
     _name: str | tuple[str, int, int, str]
     _deps: tuple[Call, ...]
     _buffers: tuple[object, ...]
-    _finish: Callable[[], None] | None  # (set with the owner, under the lock)
-    _on_done: Callable[[Call], None] | None  # (ditto)
+    # set with the owner, under `LOCK`, unless the call was settled already: a host
+    # sync to run once it succeeded, and the owner's bookkeeping (run under `LOCK`
+    # once it ended, before anyone wakes: it must not block nor take a lock)
+    _finish: Callable[[], None] | None
+    _on_done: Callable[[Call], None] | None
     _origin: Origin | None
     _retrieved: bool
     _used: bool  # awaited, waited, exception() read or in a waitfor: see __del__
@@ -199,7 +211,7 @@ class Call:
         """A call with these arguments, to be completed; `done`: it ended well the
         moment it was made (a nop with nothing to wait for), with nobody to tell.
         (Each field with a natural default is set once, in one line per default.)"""
-        self.args, self._lock = args, threading.Lock()
+        self.args = args
         self.owner = self.error = self.detail = self._error = None
         self._callbacks = self._wakers = self._finish = self._on_done = None
         self.aborted = self._retrieved = self._used = self._seen = self._given_up = False
@@ -221,32 +233,32 @@ class Call:
                  error: Exception | None = None, detail: str | None = None) -> None:
         """The device's outcome (once, any thread): the owner makes it the call's
         error, then waiters wake and callbacks run."""
-        with self._lock:
+        lock = self._lock
+        with lock:
             if self._settled:
                 raise RuntimeError("device call completed twice")
             # (`ended`: a trace's end, not when a callback ran)
             self.ended, self._settled, self.detail = _now(), True, detail
             # the owner works out a failure's error, or runs a host sync (`_finish`, set
-            # with the owner); anything else (the common small call, whose outcome the
-            # fields hold already: they start as success) is done at once
-            work = self._finish is not None or retcode or aborted or error is not None
-            if work:
+            # with the owner), outside the lock; anything else (the common small call,
+            # whose outcome the fields hold already: they start as success) is done at once
+            if self._finish is not None or retcode or aborted or error is not None:
                 self.retcode, self.aborted, self.error = retcode, aborted, error
+                lock.release()
+                try:
+                    self._conclude()
+                finally:
+                    lock.acquire()
+                self._finished = True
             else:
                 self._finished, self._buffers, self._deps = True, (), ()
-                wakers, callbacks, on_done = self._wakers, self._callbacks, self._on_done
-                self._wakers = self._callbacks = self._on_done = None
-        if work:
-            self._conclude()
-            with self._lock:
-                self._finished = True
-                wakers, callbacks, on_done = self._wakers, self._callbacks, self._on_done
-                self._wakers = self._callbacks = self._on_done = None
-        if on_done is not None:  # (the owner's: before anyone wakes)
-            try:
-                on_done(self)
-            except Exception:  # its own failure: the waiters still wake
-                log.exception("aaccl: bookkeeping of a finished call failed")
+            wakers, callbacks, on_done = self._wakers, self._callbacks, self._on_done
+            self._wakers = self._callbacks = self._on_done = None
+            if on_done is not None:  # (the owner's books, in this critical section)
+                try:
+                    on_done(self)
+                except Exception:  # its own failure: the waiters still wake
+                    log.exception("aaccl: bookkeeping of a finished call failed")
         if wakers:
             ident = _ident()
             for wake in wakers:
@@ -272,29 +284,16 @@ class Call:
 
     # -- the rank's side --------------------------------------------------------------
 
-    def _adopt(self, owner: Owner, name: str | tuple[str, int, int, str],
-              deps: tuple[Call, ...], finish: Callable[[], None] | None,
-              on_done: Callable[[Call], None] | None, buffers: tuple[object, ...],
-              origin: Origin | None) -> bool:
-        """Make the call `owner`'s: named `name` (or (op, rank, number, where),
-        formatted only if read), failed as a DependencyError naming `deps` if one of
-        them failed, `finish` run once it succeeded (a host sync), `on_done(call)`
-        once it ended, and `buffers` kept allocated until then. False if it ended
-        already (a nop, the last rank of a meeting, a refusal): then its outcome is
-        worked out here, and `on_done` never runs."""
-        self._name, self._origin, self._buffers, self._deps = name, origin, buffers, deps
-        if not self._settled:  # (once settled it stays so: a nop's needs no lock)
-            with self._lock:
-                if not self._settled:
-                    self.owner, self._finish, self._on_done = owner, finish, on_done
-                    return True
+    def _ended(self, owner: Owner, finish: Callable[[], None] | None) -> None:
+        """`owner` adopts a call that ended before it could (a nop, the last rank of a
+        meeting, a refusal; see `ACCL._submit`): its outcome is worked out here, and
+        no `on_done` runs. (Once settled a call stays so: no lock.)"""
         self.owner = owner
         if self.retcode or self.aborted or self.error is not None or finish is not None:
             self._finish = finish
             self._conclude()
         else:
             self._buffers = self._deps = ()
-        return False
 
     def _conclude(self) -> None:
         """Work out the call's error from the device's outcome (its owner knows what
