@@ -437,11 +437,12 @@ class ACCL:
                 loop = running_loop(self)
             task = asyncio_task(loop) if loop is not None else current_task()
             order = self._orders.get(comm_id) or self._message_order(comm_id)
-            if (last := order.last) is not None and last[0] is not task:
-                before = last[2]()  # (None: dropped, so ended and never to be seen)
+            if order.task is not task:  # (or the order's first collective: nobody's last)
+                before = order.last()  # (None: dropped, so ended and never to be seen)
                 if before is not None and (not before._settled or not before._seen):
                     check_race(order, call, before, deps, task)
-            order.last = (task, call._name, _weakref(call))
+                order.task = task
+            order.last = _weakref(call)
         return call
 
     def _message_order(self, comm_id: int) -> Order:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._call import warn_at
@@ -58,9 +59,9 @@ def task_name(task: object) -> str:
 
 class Order:
     """One message order of a rank: the communicators with the same members share it.
-    `last`: the last collective issued on it, as (the task that issued it, its Call's
-    name, a weak reference to its Call: a dropped call has ended, and will never be
-    seen to); `warned`: the race on it was reported.
+    `task`: the task that issued the last collective on it (None: none yet), and
+    `last`, a weak reference to that collective's Call (a dropped call has ended, and
+    will never be seen to); `warned`: the race on it was reported.
 
     Another task's collective is ordered after the last one on every rank only if that
     one's task had seen it end (awaited it) or the new one waits for it: a call that
@@ -70,12 +71,17 @@ class Order:
     in a later call's `waitfor`).
     """
 
-    __slots__ = ("comm_ids", "last", "warned")
+    __slots__ = ("comm_ids", "task", "last", "warned")
 
     def __init__(self, comm_id: int) -> None:
         self.comm_ids = [comm_id]
-        self.last: tuple[object, Any, Any] | None = None
+        self.task: object = None
+        self.last: Callable[[], Call | None] = _nothing
         self.warned = False
+
+
+def _nothing() -> None:
+    """An order's `last` before its first collective."""
 
 
 def waits_for(call: Call, target: Call) -> bool:
@@ -106,8 +112,7 @@ def check_race(order: Order, result: Call, before: Call, deps: tuple[Call, ...],
     """`result`, a collective `task` issued on `order`, follows a collective another
     task issued there that is still outstanding or not yet awaited: warn (once per
     order) unless `result` waits for it (`deps`: its `waitfor`)."""
-    assert order.last is not None
-    other, before_name, _ = order.last
+    other = order.task
     if order.warned:
         return
     if any(d is before for d in deps) or any(waits_for(d, before) for d in deps):
@@ -122,7 +127,7 @@ def check_race(order: Order, result: Call, before: Call, deps: tuple[Call, ...],
         "share one message order")
     state = "has ended but is not awaited yet" if before._settled else "is still outstanding"
     warn_at(result._origin,  # (the user's line that made the call)
-            f"{unranked(result._name)} was issued by {mine} while {unranked(before_name)}, "
+            f"{unranked(result._name)} was issued by {mine} while {unranked(before._name)}, "
             "issued on the "
             f"same message order by {theirs}, {state}{shared}. Collectives meet in the "
             "order each rank issues them on their communicator; two tasks issuing on one "
