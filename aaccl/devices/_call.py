@@ -38,10 +38,12 @@ _ident = threading.get_ident
 _UNKNOWN = object()  # a loop that does not say which thread runs it (not asyncio's own)
 _now = time.perf_counter_ns
 
-LOCK = threading.Lock()
+LOCK = threading.RLock()
 """The lock of every call's state, and of the books of the ranks that adopt them
 (`aaccl.ACCL`). Held for a few stores at a time, never while calling out but for the
-owner's `_on_done` (its books): no lock is ever taken under it."""
+owner's `_on_done` (its books, and a trace's record). Reentrant: a collection that
+runs inside a critical section (any allocation may start one) may finalize a task
+whose await of a call gives up, and that takes it again (`_forget`)."""
 
 Origin = tuple[CodeType, int, dict[str, Any]]
 """Where a call was made: the code, instruction offset and globals of the frame that
