@@ -546,9 +546,9 @@ class ACCL:
     _wait = staticmethod(_bridge.wait)  # (how a Call waits where asyncio's future cannot)
 
     def _forget(self, call: Call) -> None:
-        """A tracked call ended (its `on_done`, run under the lock its completion holds,
-        which is this rank's: `Call._lock`): its records go, in a few lines where it
-        was alone in the books."""
+        """A tracked call ended (its `on_done`, run under the lock its completion holds:
+        this rank's, `Call._lock`): its records go, in a few lines where it was alone
+        in the books."""
         self._outstanding.discard(call)
         book = self._hazards
         if book._one is call:

@@ -7,7 +7,8 @@ passes in `waitfor` and reads. So a call has one completion: no handshake betwee
 API object and a device object, no second list of callbacks. Every call shares one
 lock (`LOCK`) with the ranks that adopt calls: a rank adopts a call and books it in
 one critical section, and the completion that settles it forgets it in the same
-critical section, so a call costs no lock of its own and two acquisitions in all.
+critical section, so a call has no lock of its own, and a small call is submitted
+and completed in two acquisitions.
 
 Devices also make calls nobody adopts (a host job, a step of a call run as several,
 a wait for a host sync): those have no owner, never warn, and complete the same way.
@@ -200,7 +201,8 @@ class Call:
     _buffers: tuple[object, ...]
     # set with the owner, under `LOCK`, unless the call was settled already: a host
     # sync to run once it succeeded, and the owner's bookkeeping (run under `LOCK`
-    # once it ended, before anyone wakes: it must not block nor take a lock)
+    # once it ended, before anyone wakes: it must not block, nor take a lock that is
+    # ever held while `LOCK` is taken)
     _finish: Callable[[], None] | None
     _on_done: Callable[[Call], None] | None
     _origin: Origin | None
