@@ -873,9 +873,9 @@ class ACCL:
                     and (d_at := rbuf._address) is not None \
                     and (dtype := sbuf.dtype) in SUPPORTED_DTYPES and rbuf.dtype == dtype \
                     and (func is _NO_REDUCTION or type(func) is ReduceFunction):
-                # the common case, checked in one test but for the sizes, which need the
-                # communicator's (the checks below say what is wrong)
-                size = len(comms[comm_id][1].ranks)
+                # the common case, checked in one test but for the sizes, which a chunked
+                # buffer's need the communicator's for (the checks below say what is wrong)
+                size = len(comms[comm_id][1].ranks) if chunked_in or chunked_out else 1
                 function = 0 if func is _NO_REDUCTION else int(func)  # type: ignore[call-overload]
             else:  # (or convert what is right: a numpy integer, say)
                 check.flags(from_fpga=from_fpga, to_fpga=to_fpga)
