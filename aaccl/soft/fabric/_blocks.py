@@ -150,7 +150,7 @@ def read(gathered: Raw, size: int) -> list[Block]:
 def headers(gathered: Raw, size: int) -> list[memoryview]:
     """Every rank's header in the exchange's receive buffer, in rank order, as views
     into it (`agree`'s: a lane makes them once for its buffer)."""
-    view = memoryview(gathered).cast("B")
+    view = memoryview(gathered).cast("B")  # type: ignore[arg-type]  # (see encode)
     return [view[k * BLOCK:k * BLOCK + HEAD] for k in range(size)]
 
 

@@ -718,7 +718,7 @@ class Op(Matched, Collective):
                     lane._send[:] = blocks.TEMPLATES.get(fp) or blocks.template(fp)
                     lane._sent = fp
                 if mine is not None:  # (its bytes, from device memory: no copy between)
-                    lane._data[:len(mine)] = mine
+                    lane._data[:len(mine)] = mine  # type: ignore[call-overload]
                 try:
                     request = lane._open(self.index)
                 except Exception:  # MPI failed (a peer died): as `_pump` says
