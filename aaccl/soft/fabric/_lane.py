@@ -295,7 +295,7 @@ class Lane:
     def poll(self, before: Callable[[], object] | None = None) -> bool | None:
         """Test what is in flight; True if anything ended, None if nothing was in
         flight (no MPI request tested). `before` runs before what ended is told to
-        the engine (see MPIFabric._poll_once). (A vain test of an opening, the most
+        the engine (see MPIFabric.poll). (A vain test of an opening, the most
         frequent, calls no Python function.)"""
         if self._moving:
             events: list[tuple[Post, tuple[Any, ...]]] = []
