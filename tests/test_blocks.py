@@ -62,7 +62,7 @@ def test_settle_matches_numpy(scenario: Scenario, size: int, count: int, dtype: 
         inputs = [rng.integers(-50, 50, n).astype(dt) for _ in range(size)]
         datas = [inputs[k][:blocks.share(fp, k)] for k in range(size)]
         seen = exchange([fp] * size, datas)
-        assert blocks.agree(seen, size)
+        assert blocks.agree(blocks.headers(seen, size))
         assert all(b.state == blocks.RUNS and b.fp == fp for b in blocks.read(seen, size))
         for rank in range(size):
             op0 = inputs[rank].copy()
@@ -98,7 +98,7 @@ def test_a_failed_or_aborted_call_says_why() -> None:
                   why="rank 1's allreduce was aborted: it did not run")
     long = "x" * 2000  # longer than a block holds: cut, never spilled into the next
     blocks.encode(gathered[2 * blocks.BLOCK:], fp, state=blocks.FAILED, code=5, why=long)
-    assert not blocks.agree(gathered, 3)
+    assert not blocks.agree(blocks.headers(gathered, 3))
     first, second, third = blocks.read(gathered, 3)
     assert first.state == blocks.RUNS
     np.testing.assert_array_equal(first.tail[:16].view(np.float32), np.arange(4))
@@ -119,7 +119,7 @@ def test_blocks_agree_only_if_every_call_runs_with_one_fingerprint() -> None:
     f32 = np.dtype(np.float32)
     fp = fingerprint(S.ALLREDUCE, 2, f32, 3, None, 0)
     data = [np.full(2, k, f32) for k in range(3)]
-    assert blocks.agree(exchange([fp] * 3, data), 3)  # the data may differ
+    assert blocks.agree(blocks.headers(exchange([fp] * 3, data), 3))  # the data may differ
     for other in (fingerprint(S.ALLREDUCE, 3, f32, 3, None, 0),  # count
                   fingerprint(S.ALLREDUCE, 2, np.dtype(np.int32), 3, None, 0),  # dtype
                   fingerprint(S.ALLREDUCE, 2, f32, 3, None, 1),  # function
@@ -127,10 +127,10 @@ def test_blocks_agree_only_if_every_call_runs_with_one_fingerprint() -> None:
         for k in range(3):  # whichever rank differs, the first included
             fps = [fp] * 3
             fps[k] = other
-            assert not blocks.agree(exchange(fps, data), 3)
+            assert not blocks.agree(blocks.headers(exchange(fps, data), 3))
     gathered = exchange([fp] * 3, data)  # a rank's call did not run
     blocks.encode(gathered[blocks.BLOCK:2 * blocks.BLOCK], fp, state=blocks.ABORTED, why="x")
-    assert not blocks.agree(gathered, 3)
+    assert not blocks.agree(blocks.headers(gathered, 3))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -71,17 +71,17 @@ async def wait(register: Register, poller: Poller | None = None,
     global _next_turn
     began = 0.0
     if call is not None and poller is not None:
-        began = time.monotonic()
-        spin_until = began + SPIN_FOR
         while True:
             poller.poll()
+            now = time.monotonic()
             if call._finished:
-                if time.monotonic() >= _next_turn:
+                if now >= _next_turn:
                     await asyncio.sleep(0)
                     _next_turn = time.monotonic() + TURN_EVERY
                 return
-            now = time.monotonic()
-            if now >= spin_until or now >= _next_turn:
+            if not began:  # (the spin counts from its first poll: most often the last)
+                began = now
+            if now >= began + SPIN_FOR or now >= _next_turn:
                 break  # (what is left of the wait goes the general way, below)
     home = threading.get_ident()
     woke = False

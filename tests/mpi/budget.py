@@ -14,8 +14,8 @@ of: the lane's objects (`Op`), the engine's events (`Engine.post`) and the bodie
 that run (`Op.run`), and prints `budget rank=R ops=O posts=P bodies=B`.
 
 What is counted is the call's own path, deterministic: the polls that find nothing
-(as many as the peer takes to answer) are left out (`MPIFabric.poll`, `_poll_once`
-and `Lane.poll` are not counted, a successful poll's work is), and while counting the
+(as many as the peer takes to answer) are left out (`MPIFabric.poll` and `Lane.poll`
+are not counted, a successful poll's work is), and while counting the
 awaiting task spins without a turn of the event loop (SPIN_FOR, TURN_EVERY) and the
 progress thread keeps out of its way (SPIN), so that every call completes on the
 awaiting task's thread.
@@ -66,8 +66,7 @@ async def _count(check: Checks, accl: aaccl.ACCL, lines: bool, pieces: bool = Fa
     for _ in range(WARMUP):
         await step()
     poll = _mpi.MPIFabric.poll
-    vain = {poll.__code__, _mpi.MPIFabric._poll_once.__code__,
-            Lane.poll.__code__}
+    vain = {poll.__code__, Lane.poll.__code__}
     calls = 0
     ran: Counter[tuple[str, str]] = Counter()  # lines run, by (file, function)
     made: Counter[Any] = Counter()  # `pieces`: calls of these functions

@@ -147,16 +147,23 @@ def read(gathered: Raw, size: int) -> list[Block]:
     return [Block(gathered[k * BLOCK:(k + 1) * BLOCK]) for k in range(size)]
 
 
-def agree(gathered: Raw, size: int) -> bool:
+def headers(gathered: Raw, size: int) -> list[memoryview]:
+    """Every rank's header in the exchange's receive buffer, in rank order, as views
+    into it (`agree`'s: a lane makes them once for its buffer)."""
+    view = memoryview(gathered).cast("B")  # type: ignore[arg-type]  # (see encode)
+    return [view[k * BLOCK:k * BLOCK + HEAD] for k in range(size)]
+
+
+def agree(heads: list[memoryview]) -> bool:
     """Whether every rank's call runs, all with the same fingerprint: then their
-    headers are the same bytes, so this compares bytes and decodes nothing (it runs
-    for every collective; `read` is for the rare exchange that disagrees)."""
-    raw = gathered if type(gathered) is bytearray else bytearray(gathered)
-    first = raw[:HEAD]
-    if not first.startswith(_RUNNING):
+    headers (`heads`: see `headers`) are the same bytes, so this compares bytes,
+    copies and decodes nothing (it runs for every collective; `read` is for the rare
+    exchange that disagrees)."""
+    first = heads[0]
+    if first[:8] != _RUNNING:
         return False
-    for start in range(BLOCK, size * BLOCK, BLOCK):  # (a loop: no generator to resume)
-        if not raw.startswith(first, start):  # (no slice to copy)
+    for head in heads:  # (a loop: no generator to resume)
+        if head != first:
             return False
     return True
 

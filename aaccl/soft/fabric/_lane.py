@@ -41,7 +41,7 @@ from ..._errors import Aborted
 from .._engine import Alarm, Engine, Wait
 from .._failure import CallFailed
 from . import _blocks as blocks
-from ._blocks import BLOCK, PENDING, agree, encode
+from ._blocks import BLOCK, HEAD, PENDING, agree, encode
 from ._inbox import mismatch
 from ._message import Collective, Fingerprint
 
@@ -171,6 +171,8 @@ class Lane:
         # header `_send` holds (a call like the one before it writes its data only).
         self._send = bytearray(BLOCK)
         self._gathered = bytearray(self.size * BLOCK)
+        self._heads = blocks.headers(self._gathered, self.size)  # (`agree`'s)
+        self._data = memoryview(self._send)[HEAD:]  # (where a running block's data goes)
         self._sent: Fingerprint | None = None
         self._request: Any = None
         self._renew_at = RENEW_EVERY  # the index of the op whose opening renews it
@@ -293,7 +295,7 @@ class Lane:
     def poll(self, before: Callable[[], object] | None = None) -> bool | None:
         """Test what is in flight; True if anything ended, None if nothing was in
         flight (no MPI request tested). `before` runs before what ended is told to
-        the engine (see MPIFabric._poll_once). (A vain test of an opening, the most
+        the engine (see MPIFabric.poll). (A vain test of an opening, the most
         frequent, calls no Python function.)"""
         if self._moving:
             events: list[tuple[Post, tuple[Any, ...]]] = []
@@ -482,7 +484,7 @@ class Lane:
         nothing to finish; `Op.set` ends it), anyone else is given a copy."""
         self._opening, self.stuck = None, ""
         gathered = self._gathered
-        agreed = agree(gathered, self.size)
+        agreed = agree(self._heads)
         call = op.call
         if agreed and call is not None:  # settle: the parked call's result, from the blocks
             op0, res, _, fold = op.ours  # type: ignore[misc]
@@ -610,8 +612,8 @@ row of the lane's gathered blocks (views made once: ranks 0 and 1, then the rest
 folded with a ufunc in rank order."""
 Shape = tuple[int, int, int, Fold | None]
 Views = tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None, Fold | None]
-"""A call's operand and result, the part of its operand its block carries, and its
-fold (`Op._views`)."""
+"""A call's operand and result, the part of its operand its block carries (a view of
+its bytes), and its fold (`Op._views`)."""
 
 
 def _shape(lane: Lane, call: ScheduleCall, fp: Fingerprint) -> Shape | bool:
@@ -705,20 +707,18 @@ class Op(Matched, Collective):
         if ours is False:
             return False
         mine = ours[2]
-        data = mine.tobytes() if mine is not None else None
         now = time.monotonic()  # (the opening's spin and the call's deadline count from it)
         with lane._lock:
-            queue = lane._queue
-            if lane._opening is not None or lane.stuck or len(queue) != 1 or queue[0] is not self \
+            queue = lane._queue  # (nothing is `stuck` unless an opening is in flight)
+            if lane._opening is not None or len(queue) != 1 or queue[0] is not self \
                     or lane._dead_from is not None or lane._ended:
                 request = None
             else:
-                send = lane._send
                 if fp is not lane._sent:  # (the fingerprints of like calls are one object)
-                    send[:] = blocks.TEMPLATES.get(fp) or blocks.template(fp)
+                    lane._send[:] = blocks.TEMPLATES.get(fp) or blocks.template(fp)
                     lane._sent = fp
-                if data:
-                    send[blocks.HEAD:blocks.HEAD + len(data)] = data
+                if mine is not None:  # (its bytes, from device memory: no copy between)
+                    lane._data[:len(mine)] = mine  # type: ignore[call-overload]
                 try:
                     request = lane._open(self.index)
                 except Exception:  # MPI failed (a peer died): as `_pump` says
@@ -735,7 +735,7 @@ class Op(Matched, Collective):
                 lane._opening = (request, self)
                 lane._spin_until = now + OPENING_SPIN
         if request is None:  # it waits for its turn: the body's
-            lane.start(self, blocks.opening(fp, data), None)
+            lane.start(self, blocks.opening(fp, None if mine is None else mine.tobytes()), None)
             return False
         call.waiting = self
         alarm = lane.alarm  # (`Alarm.park`, inline: on every small collective's path)
@@ -749,8 +749,8 @@ class Op(Matched, Collective):
         """For `start`, kept in the CCLO's views under `key` until memory is freed (a
         loop of small calls on the same buffers makes them once): the call's operand
         and result in device memory as far as it reaches into them, the part of the
-        operand its block carries, and its fold (`_shape`); False if its data does not
-        ride in the opening."""
+        operand its block carries (a view of its bytes), and its fold (`_shape`); False
+        if its data does not ride in the opening."""
         lane, dev, args, path = self.lane, call.dev, call.args, call.path
         shape = lane.shapes.get(fp)
         if shape is None:
@@ -763,7 +763,7 @@ class Op(Matched, Collective):
             mine, reach0, reach2, fold = shape  # type: ignore[misc]
             op0 = dev.array(args.addr_0, path.dtype, reach0) if reach0 else None
             res = dev.array(args.addr_2, path.dtype, reach2) if reach2 else None
-            ours = (op0, res, None if not mine or op0 is None else op0[:mine], fold)
+            ours = (op0, res, None if not mine or op0 is None else op0[:mine].view(np.uint8), fold)
         dev.views[key] = ours
         return ours
 

@@ -263,19 +263,49 @@ class MPIFabric:
 
     # -- the progress thread --------------------------------------------------------
 
-    def poll(self) -> bool:
-        """Make progress once, on the calling thread (a task waiting for a call polls
-        here instead of waiting for the progress thread to wake it); False if nothing
-        came, or another thread is polling right now."""
-        self._polled_at = time.monotonic()  # (the progress thread stays out of the way)
-        if not self._poll_lock.acquire(False):  # (by position: no keyword to parse)
+    def poll(self, task: bool = True) -> bool | None:
+        """Make progress once; True if anything came. A task waiting for a call polls
+        here (`task`) instead of waiting for the progress thread to wake it: it does
+        not wait while another thread polls (False), and gives its core away when
+        nothing came; the progress thread polls here too, waiting for its turn."""
+        if task:
+            self._polled_at = time.monotonic()  # (the progress thread stays out of the way)
+        if not self._poll_lock.acquire(not task):  # (by position: no keyword to parse)
             return False
+        MPI, lane = self._mpi, self.lane
+        came: bool | None  # (None: the lane had nothing in flight)
         try:
-            came = self._poll_once()
+            if self.buried:  # see `_bury`
+                came = False
+            # the lane's collective first (the awaited call's, most often): what came
+            # before its end is taken before its end is told (`_drain`)
+            elif came := lane is not None and lane.poll(self._drain):
+                if self._fetches:  # (`_drain` took every message MPI had, and what
+                    self._fetched()  # waited behind them)
+            else:
+                # MPICH's Improbe matches what it has already taken in, then makes
+                # progress: a message that came during a nap is found by a second probe,
+                # unless the lane's test made progress just now
+                status = self._status
+                message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+                if message is None and came is None:
+                    message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+                elif message is None and lane is not None:
+                    came = lane.poll(self._drain)  # the probe made progress: test again
+                if message is not None:
+                    self._take(message, status)
+                if self._arriving:
+                    self._arrivals()
+                if self._fetches:
+                    self._fetched()
+                came = message is not None or bool(came)
+        except MPI.Exception as error:  # a peer died mid-message: that one is lost
+            self._mpi_error(error)
+            came = False
         finally:
             self._poll_lock.release()
-        if not came:  # give the core to a process that has work: the peer we wait for,
-            os.sched_yield()  # where there are more processes than cores
+        if not came and task:  # give the core to a process that has work: the peer we
+            os.sched_yield()  # wait for, where there are more processes than cores
         return came
 
     def park(self) -> None:
@@ -283,38 +313,6 @@ class MPIFabric:
         waits while tasks poll, takes over at once."""
         self._polled_at = -math.inf
         self._tasks_gone.set()
-
-    def _poll_once(self) -> bool:
-        if self.buried:  # see `_bury`
-            return False
-        MPI, lane = self._mpi, self.lane
-        try:
-            # the lane's collective first (the awaited call's, most often): what came
-            # before its end is taken before its end is told (`_drain`)
-            came = lane is not None and lane.poll(self._drain)
-            if came:  # (`_drain` took every message MPI had, and what waited behind them)
-                if self._fetches:
-                    self._fetched()
-                return True
-            # MPICH's Improbe matches what it has already taken in, then makes
-            # progress: a message that came during a nap is found by a second probe,
-            # unless the lane's test made progress just now
-            status = self._status
-            message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-            if message is None and came is None:
-                message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-            elif message is None and lane is not None:
-                came = lane.poll(self._drain)  # the probe made progress: test again
-            if message is not None:
-                self._take(message, status)
-            if self._arriving:
-                self._arrivals()
-            if self._fetches:
-                self._fetched()
-        except MPI.Exception as error:  # a peer died mid-message: that one is lost
-            self._mpi_error(error)
-            return False
-        return message is not None or bool(came)
 
     def _bury(self) -> None:
         """Ranks whose processes ended abnormally (`process_lost`): first take what
@@ -371,8 +369,7 @@ class MPIFabric:
                 # takes the GIL, and the task waits for it until we get a core)
                 self._tasks_gone.wait(TASK_NAP)
                 continue
-            with self._poll_lock:
-                message = self._poll_once()
+            message = self.poll(False)
             if message:
                 last = time.monotonic()
             else:
