@@ -32,8 +32,9 @@ VIEWS_KEPT = 1024
 """Views of device memory a soft CCLO keeps for its calls (see `SoftDevice.array`)."""
 DECODED_KEPT = 1024
 """Distinct collective arguments whose decoding a soft CCLO keeps (`remember`)."""
-Decoded = tuple[Comm, Datapath, Fingerprint, Collective | None]
-"""What a collective's arguments decode to (see `SoftDevice.remember`)."""
+Decoded = tuple[Comm, Datapath, Fingerprint, Collective | None, Any]
+"""What a collective's arguments decode to, and what its fabric keeps for them
+(see `SoftDevice.remember`)."""
 RETCODE = xm.RETCODE
 NOP = int(Scenario.NOP)  # (a global: a member looked up on its enum costs five times as much)
 HWID = 0x0000_00F8  # reduction, compression and stream bits as ACCL's driver reads them
@@ -68,7 +69,7 @@ class SoftDevice(Device):
         self._comms: dict[int, Comm] = {}
         self._configs: dict[int, xm.ArithConfig] = {}
         self._paths: dict[tuple[int, int, int], Datapath] = {}
-        self.decoded: dict[tuple[int, ...], Decoded] = {}
+        self.decoded: dict[CallArgs, Decoded] = {}
         self._send_seq: dict[tuple[Hashable, int], int] = {}
         self.queue: deque[SoftCall] = deque()  # in order: calls admitted, not ended; head runs
         self.calls: dict[SoftCall, None] = {}  # admitted, not finished (in order)
@@ -132,13 +133,22 @@ class SoftDevice(Device):
         self.decoded.clear()
 
     def remember(self, args: CallArgs, decoded: Decoded) -> None:
-        """What a collective's arguments decode to (`decoded`, keyed by all but its
-        addresses: its communicator, datapath, fingerprint, and its fabric's part if
-        that is `Collective.shared`), so that calls with the same arguments skip
-        decoding them; kept until exchange memory is written."""
+        """What a collective's arguments decode to (`decoded`: its communicator,
+        datapath, fingerprint, its fabric's part if that is `Collective.shared`, and
+        what that part keeps for these arguments, such as views of its buffers, or
+        None), so that calls with the same arguments skip decoding them and find it
+        all in one lookup (`CollectiveCall.prepare`); kept until exchange memory is
+        written or device memory freed (the addresses are part of the key)."""
         if len(self.decoded) >= DECODED_KEPT:
             self.decoded.clear()
-        self.decoded[args[:9]] = decoded
+        self.decoded[args] = decoded
+
+    def keep(self, args: CallArgs, path: Datapath, kept: Any) -> None:
+        """What a call's fabric keeps for its arguments (its buffers' views), in their
+        entry (`remember`), if that is still the one the call was decoded with."""
+        known = self.decoded.get(args)
+        if known is not None and known[1] is path:
+            self.decoded[args] = (*known[:4], kept)
 
     @staticmethod
     def _word(offset: int) -> int:
@@ -151,6 +161,7 @@ class SoftDevice(Device):
 
     def free(self, address: int) -> None:
         self.views.clear()  # (any thread: a dict's clear is atomic)
+        self.decoded.clear()  # (its entries keep views too)
         self.memory.free(address)
 
     def write(self, address: int, data: np.ndarray) -> None:
