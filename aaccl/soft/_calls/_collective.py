@@ -1,7 +1,7 @@
 """A rank's call of a collective, as its peers see it: its fingerprint, checked
 against theirs (in their messages, and by the fabric: `Collective.join`), and the
 notices that end their calls at once when ours fails (`_tell_peers`), or ours when
-one of theirs does (`_peer_failed`). How the fabric takes part in the collective
+one of theirs does (`peer_failed`). How the fabric takes part in the collective
 (a roll call and meetings in process, MPI's lane) is its port's: `port.collective`.
 `ScheduleCall` (`_schedule`) runs what is left: the schedule."""
 
@@ -65,9 +65,9 @@ class CollectiveCall(SoftCall):
             if known is None:
                 self._decode(comm, self.way)
         if inbox._failed or inbox._seen:  # peers' messages for calls not joined (rarely)
-            failure = inbox.join(prefix, dev.session, self.fp, self._peer_failed)
+            failure = inbox.join(prefix, self)
         else:  # (`Inbox.join`'s common case, in line: nothing came before us to check)
-            inbox.members[prefix], failure = (dev.session, self.fp, self._peer_failed), None
+            inbox.members[prefix], failure = self, None
         differs = None if self.way is None else self.way.join(self)
         if failure is not None or differs is not None:
             code, why, notified = failure or (*differs, False)  # type: ignore[misc]
@@ -121,7 +121,12 @@ class CollectiveCall(SoftCall):
             return ""
         return f" on the communicator of ranks {', '.join(map(str, comm.sessions))}"
 
-    def _peer_failed(self, code: int, why: str, notified: bool) -> None:
+    @property
+    def session(self) -> int:
+        """Its CCLO's rank (session), as the inbox names it (`fabric.Inbox.join`)."""
+        return self.dev.session
+
+    def peer_failed(self, code: int, why: str, notified: bool) -> None:
         """Inbox: a peer's call of our collective failed (`notified`) or does not
         match ours: so does ours, at once (as an event: we may be inside a send)."""
         self.quiet = self.quiet or notified
