@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 import aaccl
 from aaccl import ErrorCode, ReduceFunction
@@ -36,13 +37,15 @@ def test_an_address_the_cclo_cannot_decode_fails_the_meeting_at_once() -> None:
     assert ours.detail is not None and "rank 1's allreduce" in ours.detail
 
 
-def test_a_freed_buffer_is_not_read_through_the_views_kept_with_its_arguments() -> None:
+@pytest.mark.parametrize("in_order", [False, True])
+def test_a_freed_buffer_is_not_read_through_the_views_kept_with_its_arguments(
+        in_order: bool) -> None:
     """A loop of one small allreduce keeps its buffers' views with its arguments'
     decoding (`SoftDevice.keep`); once rank 1 frees its operand, its next call with
     the same arguments fails with DMA_DECODE_ERROR (and rank 0's on its notice)
     instead of reading the freed memory through what was kept."""
     async def main() -> tuple[list[aaccl.devices.DeviceCall], list[aaccl.devices.DeviceCall]]:
-        async with aaccl.open_world(2, timeout=30.0) as accls:
+        async with aaccl.open_world(2, timeout=30.0, in_order=in_order) as accls:
             devs = [x._driver.device for x in accls]
             src = [dev.alloc(16) for dev in devs]
             dst = [dev.alloc(16) for dev in devs]
@@ -57,6 +60,10 @@ def test_a_freed_buffer_is_not_read_through_the_views_kept_with_its_arguments() 
             for _ in range(3):  # (the second and third find what the first kept)
                 for call in round():
                     assert await asyncio.to_thread(call.block, 10)
+                for dev, address in zip(devs, dst):
+                    out = np.zeros(4, np.float32)
+                    dev.read(address, out)
+                    assert (out == 2).all()
             first = round()
             for call in first:
                 assert await asyncio.to_thread(call.block, 10)

@@ -89,9 +89,10 @@ class Meeting(Wait):
     an abort or a peer's notice withdraws it, `withdraw`, as any other wait), its
     rank known from its call. One deadline serves the meeting: parked in the
     fabric's alarm when the first rank sits down (with that rank's timeout), it
-    fails every call still waiting then, naming the ranks that never came. Once a rank gave up (`leave`),
-    nobody computes (it never arrives): the calls still to come sit down to wait all
-    the same, and fail at their deadline or on the notice of the rank that gave up."""
+    fails every call still waiting then, naming the ranks that never came. Once a
+    rank gave up (`leave`), nobody computes (it never arrives): the calls still to
+    come sit down to wait all the same, and fail at their deadline or on the notice
+    of the rank that gave up."""
 
     __slots__ = ("size", "seen", "first", "fp", "arrived", "waiting", "_fabric")
 
@@ -271,9 +272,14 @@ class _Meet(_RollCall):
                ) -> tuple[np.ndarray, np.ndarray, Datapath] | None:
         """The call's operand and result in device memory, with its datapath, kept
         with its arguments' decoding (`SoftDevice.keep`); None if the CCLO cannot
-        decode an address: the call then failed (and left its meeting)."""
+        decode an address: the call then failed (and left its meeting). (A call
+        that waited, in order say, finds what was kept meanwhile, if its entry is
+        still there: no memory was freed since.)"""
         args, dev, path = call.args, call.dev, call.path
         assert path is not None and call.comm is not None
+        known = dev.decoded.get(args)
+        if known is not None and known[1] is path and known[4] is not None:
+            return known[4]
         try:
             ours = (dev.array(args.addr_0, path.dtype, args.count),
                     dev.array(args.addr_2, path.dtype, args.count), path)
