@@ -41,7 +41,7 @@ def test_an_address_the_cclo_cannot_decode_fails_the_meeting_at_once() -> None:
 def test_a_freed_buffer_is_not_read_through_the_views_kept_with_its_arguments(
         in_order: bool) -> None:
     """A loop of one small allreduce keeps its buffers' views with its arguments'
-    decoding (`SoftDevice.keep`); once rank 1 frees its operand, its next call with
+    decoding (`SoftDevice.known`); once rank 1 frees its operand, its next call with
     the same arguments fails with DMA_DECODE_ERROR (and rank 0's on its notice)
     instead of reading the freed memory through what was kept."""
     async def main() -> tuple[list[aaccl.devices.DeviceCall], list[aaccl.devices.DeviceCall]]:

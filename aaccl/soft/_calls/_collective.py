@@ -33,7 +33,7 @@ class CollectiveCall(SoftCall):
     fp: Fingerprint | None
     path: Datapath | None
     way: Collective | None  # how its fabric takes part (None: messages)
-    kept: Any  # what its fabric kept for calls with its arguments (`SoftDevice.keep`), or None
+    kept: Any  # what its fabric kept for calls with its arguments (`SoftDevice.known`), or None
     meeting: Any  # in process: the meeting it joined, until it came or gave its place up
     quiet = False
     """Its failure came from a peer, which has told the others (set where so)."""
@@ -44,7 +44,8 @@ class CollectiveCall(SoftCall):
         messages, now and as they come, and by the fabric's means (in process: all
         at once). Arguments seen before skip decoding (`SoftDevice.remember`)."""
         args, dev = self.args, self.dev
-        known = dev.decoded.get(args)  # decoded before: a loop of the same collective
+        # decoded before: a loop of the same collective (on other buffers: `recall`)
+        known = dev.known.get(args) or dev.recall(args)
         if known is None:
             self.comm = self.prefix = self.fp = self.path = self.way = self.kept = None
             self.seq = 0
@@ -105,7 +106,7 @@ class CollectiveCall(SoftCall):
             return
         if not args.stream_flags:  # the same arguments decode alike
             self.dev.remember(args, (comm, path, fp, way if way is not None and way.shared
-                                     else None, None))
+                                     else None))
 
     def _when_ready(self, waitfor: tuple[DeviceCall, ...]) -> None:
         self.kept = None  # (what was kept for it may not outlive a free before it runs)

@@ -271,14 +271,16 @@ class _Meet(_RollCall):
     def _views(call: ScheduleCall, meeting: Meeting
                ) -> tuple[np.ndarray, np.ndarray, Datapath] | None:
         """The call's operand and result in device memory, with its datapath, kept
-        with its arguments' decoding (`SoftDevice.keep`); None if the CCLO cannot
+        with its arguments' decoding (`SoftDevice.known`); None if the CCLO cannot
         decode an address: the call then failed (and left its meeting). (A call
         that waited, in order say, finds what was kept meanwhile, if its entry is
         still there: no memory was freed since.)"""
         args, dev, path = call.args, call.dev, call.path
         assert path is not None and call.comm is not None
-        known = dev.decoded.get(args)
-        if known is not None and known[1] is path and known[4] is not None:
+        known = dev.known.get(args)
+        if known is not None and known[1] is not path:
+            known = None  # (decoded anew since the call was)
+        if known is not None and known[4] is not None:
             return known[4]
         try:
             ours = (dev.array(args.addr_0, path.dtype, args.count),
@@ -287,7 +289,8 @@ class _Meet(_RollCall):
             meeting.leave(call.comm.rank)
             call.finish(failed.code, failed.detail)
             return None
-        dev.keep(args, path, ours)
+        if known is not None:  # kept with the decoding (in line: `SoftDevice.known`)
+            dev.known[args] = (*known[:4], ours)
         return ours
 
     def abandon(self, call: CollectiveCall) -> None:
