@@ -77,3 +77,27 @@ def test_a_freed_buffer_is_not_read_through_the_views_kept_with_its_arguments(
     assert [call.retcode for call in first] == [0, 0]
     assert theirs.retcode == ErrorCode.DMA_DECODE_ERROR
     assert ours.retcode == ErrorCode.DMA_DECODE_ERROR
+
+
+def test_a_loop_over_many_slices_keeps_a_bounded_number_of_entries() -> None:
+    """Each slice is a call with its own addresses: what the CCLO knows of them (by
+    all the arguments, with the meeting's views) stays bounded, and the decoding
+    by all but the addresses is one entry."""
+    from aaccl.soft._device import DECODED_KEPT
+
+    async def main() -> tuple[int, int]:
+        async with aaccl.open_world(2) as accls:
+            bufs = [(x.allocate(1500, np.float32), x.allocate(1500, np.float32))
+                    for x in accls]
+            for i in range(1500):
+                calls = [x.allreduce(s[i:i + 1], d[i:i + 1], 1, ReduceFunction.SUM,
+                                     from_fpga=True, to_fpga=True)
+                         for x, (s, d) in zip(accls, bufs)]
+                for call in calls:
+                    await call
+            dev = accls[0]._driver.device
+            return len(dev.known), len(dev.decoded)
+
+    known, decoded = asyncio.run(main())
+    assert 0 < known <= DECODED_KEPT
+    assert decoded == 1
