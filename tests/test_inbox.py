@@ -49,7 +49,16 @@ def join(inbox: Inbox, seq: int, fp: tuple,
     """Our call of collective `seq` is admitted (in order, as the device does), and
     joins it."""
     assert inbox.admit(COMM) == seq
-    return inbox.join(("coll", COMM, seq), 0, fp, fail)
+    return inbox.join(("coll", COMM, seq), _Member(fp, fail))
+
+
+class _Member:
+    """Our call of a collective, as the inbox sees it (`fabric._inbox.Member`)."""
+
+    session = 0
+
+    def __init__(self, fp: tuple, fail: Callable[[int, str, bool], None]) -> None:
+        self.fp, self.peer_failed = fp, fail
 
 
 def fail(code: int, why: str, notified: bool) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 import aaccl
 from aaccl import ErrorCode, ReduceFunction
@@ -34,3 +35,69 @@ def test_an_address_the_cclo_cannot_decode_fails_the_meeting_at_once() -> None:
     assert theirs.retcode == ErrorCode.DMA_DECODE_ERROR
     assert ours.retcode == ErrorCode.DMA_DECODE_ERROR
     assert ours.detail is not None and "rank 1's allreduce" in ours.detail
+
+
+@pytest.mark.parametrize("in_order", [False, True])
+def test_a_freed_buffer_is_not_read_through_the_views_kept_with_its_arguments(
+        in_order: bool) -> None:
+    """A loop of one small allreduce keeps its buffers' views with its arguments'
+    decoding (`SoftDevice.known`); once rank 1 frees its operand, its next call with
+    the same arguments fails with DMA_DECODE_ERROR (and rank 0's on its notice)
+    instead of reading the freed memory through what was kept."""
+    async def main() -> tuple[list[aaccl.devices.DeviceCall], list[aaccl.devices.DeviceCall]]:
+        async with aaccl.open_world(2, timeout=30.0, in_order=in_order) as accls:
+            devs = [x._driver.device for x in accls]
+            src = [dev.alloc(16) for dev in devs]
+            dst = [dev.alloc(16) for dev in devs]
+            for dev, address in zip(devs, src):
+                dev.write(address, np.ones(4, np.float32))
+
+            def round() -> list[aaccl.devices.DeviceCall]:
+                return [x._driver.start(Scenario.ALLREDUCE, 4, 0, 0, int(ReduceFunction.SUM),
+                                        dtype=F32, addrs=(s, 0, d))
+                        for x, s, d in zip(accls, src, dst)]
+
+            for _ in range(3):  # (the second and third find what the first kept)
+                for call in round():
+                    assert await asyncio.to_thread(call.block, 10)
+                for dev, address in zip(devs, dst):
+                    out = np.zeros(4, np.float32)
+                    dev.read(address, out)
+                    assert (out == 2).all()
+            first = round()
+            for call in first:
+                assert await asyncio.to_thread(call.block, 10)
+            devs[1].free(src[1])
+            calls = round()
+            for call in calls:
+                assert await asyncio.to_thread(call.block, 10), "the call never ended"
+            return first, calls
+
+    first, (ours, theirs) = asyncio.run(main())
+    assert [call.retcode for call in first] == [0, 0]
+    assert theirs.retcode == ErrorCode.DMA_DECODE_ERROR
+    assert ours.retcode == ErrorCode.DMA_DECODE_ERROR
+
+
+def test_a_loop_over_many_slices_keeps_a_bounded_number_of_entries() -> None:
+    """Each slice is a call with its own addresses: what the CCLO knows of them (by
+    all the arguments, with the meeting's views) stays bounded, and the decoding
+    by all but the addresses is one entry."""
+    from aaccl.soft._device import DECODED_KEPT
+
+    async def main() -> tuple[int, int]:
+        async with aaccl.open_world(2) as accls:
+            bufs = [(x.allocate(1500, np.float32), x.allocate(1500, np.float32))
+                    for x in accls]
+            for i in range(1500):
+                calls = [x.allreduce(s[i:i + 1], d[i:i + 1], 1, ReduceFunction.SUM,
+                                     from_fpga=True, to_fpga=True)
+                         for x, (s, d) in zip(accls, bufs)]
+                for call in calls:
+                    await call
+            dev = accls[0]._driver.device
+            return len(dev.known), len(dev.decoded)
+
+    known, decoded = asyncio.run(main())
+    assert 0 < known <= DECODED_KEPT
+    assert decoded == 1

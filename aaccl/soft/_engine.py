@@ -42,7 +42,7 @@ class Wait:
     `expire` says what the call's deadline does to it: True fails the call with
     `timeout_code`; False means the wait goes on without a deadline (a peer is
     reading our data right now, say). Subclasses override it to withdraw what they
-    registered.
+    registered (or `withdraw`, if they are shared by several calls).
     """
 
     __slots__ = ("done", "value", "waiter", "timeout_code")
@@ -63,6 +63,12 @@ class Wait:
 
     def expire(self) -> bool:
         return self.timeout_code != 0
+
+    def withdraw(self, call: Any) -> bool:
+        """`call` stops waiting for this (an abort, its deadline): `expire`, unless
+        what it waits for is shared and must know which call leaves (an in-process
+        meeting)."""
+        return self.expire()
 
 
 class Timer:

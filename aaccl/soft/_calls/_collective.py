@@ -1,7 +1,7 @@
 """A rank's call of a collective, as its peers see it: its fingerprint, checked
 against theirs (in their messages, and by the fabric: `Collective.join`), and the
 notices that end their calls at once when ours fails (`_tell_peers`), or ours when
-one of theirs does (`_peer_failed`). How the fabric takes part in the collective
+one of theirs does (`peer_failed`). How the fabric takes part in the collective
 (a roll call and meetings in process, MPI's lane) is its port's: `port.collective`.
 `ScheduleCall` (`_schedule`) runs what is left: the schedule."""
 
@@ -11,6 +11,7 @@ from typing import Any
 
 from ..._constants import ErrorCode, Scenario
 from ..._errors import Aborted
+from ...devices import DeviceCall
 from .._engine import Wait
 from .._datapath import Datapath
 from ..fabric import Collective, Fingerprint, Key, Message
@@ -23,7 +24,7 @@ class CollectiveCall(SoftCall):
     """copy, combine and the collectives (copy and combine have no communicator:
     nothing of this concerns them)."""
 
-    __slots__ = ("comm", "seq", "prefix", "fp", "way", "path", "meeting")
+    __slots__ = ("comm", "seq", "prefix", "fp", "way", "path", "kept", "meeting")
 
     # (declared here once: `prepare` sets them on a fast path and on the full one)
     comm: Comm | None
@@ -32,6 +33,7 @@ class CollectiveCall(SoftCall):
     fp: Fingerprint | None
     path: Datapath | None
     way: Collective | None  # how its fabric takes part (None: messages)
+    kept: Any  # what its fabric kept for calls with its arguments (`SoftDevice.known`), or None
     meeting: Any  # in process: the meeting it joined, until it came or gave its place up
     quiet = False
     """Its failure came from a peer, which has told the others (set where so)."""
@@ -42,9 +44,10 @@ class CollectiveCall(SoftCall):
         messages, now and as they come, and by the fabric's means (in process: all
         at once). Arguments seen before skip decoding (`SoftDevice.remember`)."""
         args, dev = self.args, self.dev
-        known = dev.decoded.get(args[:9])  # decoded before: a loop of the same collective
+        # decoded before: a loop of the same collective (on other buffers: `recall`)
+        known = dev.known.get(args) or dev.recall(args)
         if known is None:
-            self.comm = self.prefix = self.fp = self.path = self.way = None
+            self.comm = self.prefix = self.fp = self.path = self.way = self.kept = None
             self.seq = 0
             if args.scenario not in COLLECTIVES:  # copy, combine
                 if args.stream_flags:
@@ -53,7 +56,7 @@ class CollectiveCall(SoftCall):
                 return
             comm = dev.comm(args.comm)
         else:
-            comm, self.path, self.fp, self.way = known
+            comm, self.path, self.fp, self.way, self.kept = known
         self.comm, inbox = comm, dev.inbox
         self.seq = seq = inbox.coll_seq.get(comm.key, 0)  # (`Inbox.admit`, inline)
         inbox.coll_seq[comm.key] = seq + 1
@@ -63,9 +66,9 @@ class CollectiveCall(SoftCall):
             if known is None:
                 self._decode(comm, self.way)
         if inbox._failed or inbox._seen:  # peers' messages for calls not joined (rarely)
-            failure = inbox.join(prefix, dev.session, self.fp, self._peer_failed)
+            failure = inbox.join(prefix, self)
         else:  # (`Inbox.join`'s common case, in line: nothing came before us to check)
-            inbox.members[prefix], failure = (dev.session, self.fp, self._peer_failed), None
+            inbox.members[prefix], failure = self, None
         differs = None if self.way is None else self.way.join(self)
         if failure is not None or differs is not None:
             code, why, notified = failure or (*differs, False)  # type: ignore[misc]
@@ -105,6 +108,10 @@ class CollectiveCall(SoftCall):
             self.dev.remember(args, (comm, path, fp, way if way is not None and way.shared
                                      else None))
 
+    def _when_ready(self, waitfor: tuple[DeviceCall, ...]) -> None:
+        self.kept = None  # (what was kept for it may not outlive a free before it runs)
+        super()._when_ready(waitfor)
+
     def describe(self) -> str:
         fp = self.fp
         return describe_call(self.args) if fp is None else describe(fp)
@@ -115,7 +122,12 @@ class CollectiveCall(SoftCall):
             return ""
         return f" on the communicator of ranks {', '.join(map(str, comm.sessions))}"
 
-    def _peer_failed(self, code: int, why: str, notified: bool) -> None:
+    @property
+    def session(self) -> int:
+        """Its CCLO's rank (session), as the inbox names it (`fabric.Inbox.join`)."""
+        return self.dev.session
+
+    def peer_failed(self, code: int, why: str, notified: bool) -> None:
         """Inbox: a peer's call of our collective failed (`notified`) or does not
         match ours: so does ours, at once (as an event: we may be inside a send)."""
         self.quiet = self.quiet or notified

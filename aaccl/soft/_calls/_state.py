@@ -260,7 +260,7 @@ class SoftCall(DeviceCall):
     def interrupt(self, failed: CallFailed) -> None:
         """Fail what the running call waits for, if that can be withdrawn now."""
         wait = self.waiting
-        if wait is not None and wait.expire():
+        if wait is not None and wait.withdraw(self):
             wait.waiter, self.waiting = None, None
             self.dev.alarm.parked.pop(self, None)
             self.resume(None, failed)
@@ -345,7 +345,7 @@ class SoftCall(DeviceCall):
             value, error = wait.value, None
         if self.dev.gone:  # waits for a rank that left the world: it never comes
             gone = [p for p in self.peers_waited(wait) if p in self.dev.gone]
-            if gone and wait.expire():
+            if gone and wait.withdraw(self):
                 self.aborting = self.aborting or Aborted(
                     f"rank {gone[0]} left the world: {self.dev.gone[gone[0]]}")
                 self.resume(None, CallFailed(ErrorCode.RECEIVE_TIMEOUT_ERROR))
@@ -370,7 +370,7 @@ class SoftCall(DeviceCall):
             return
         if detail is None:  # (before expiring changes what it waits for)
             detail = self.timeout_detail(wait)
-        if wait.expire():
+        if wait.withdraw(self):
             wait.waiter, self.waiting = None, None
             self.resume(None, CallFailed(wait.timeout_code, detail))
         # else: a peer is reading our data right now; it finishes without a deadline

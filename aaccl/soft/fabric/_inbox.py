@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable, Hashable
+from typing import Protocol
 
 import numpy as np
 
@@ -55,9 +56,18 @@ def mismatch(fp: Fingerprint, other: Fingerprint, ours: int, theirs: int) -> Fai
     return code, f"rank {a} called {describe(x)}; rank {b} called {describe(y)}"
 
 
-_Member = tuple[int, Fingerprint | None, Callable[[int, str, bool], None]]
-"""(session, fingerprint, fail): this CCLO's call of a collective, as registered for
-checks and notices (a tuple: no constructor to call per collective)."""
+class Member(Protocol):
+    """This CCLO's call of a collective, as registered for checks and notices (the
+    call itself: nothing is made per collective to register it)."""
+
+    fp: Fingerprint | None  # (None: it failed before it had one)
+
+    @property
+    def session(self) -> int:
+        """The rank (session) whose call it is."""
+
+    def peer_failed(self, code: int, why: str, notified: bool) -> None:
+        """A peer's call of the collective failed (`notified`) or does not match."""
 
 
 class RxPool:
@@ -130,7 +140,7 @@ class Inbox:
         self.coll_seq: dict[Hashable, int] = {}
         self._gave_up: dict[Key, None] = {}  # the last GAVE_UP_KEPT collectives that failed here
         # our running collectives, by prefix (one ends: `leave`, or its pop in line)
-        self.members: dict[Key, _Member] = {}
+        self.members: dict[Key, Member] = {}
         self._seen: dict[Key, tuple[int, Fingerprint]] = {}  # before we joined
         self._failed: dict[Key, Failure] = {}  # notices for collectives we have not joined
         # a peer's message of a collective whose call here ended well (see `deliver`)
@@ -351,12 +361,13 @@ class Inbox:
         """Our call of collective `prefix` was admitted and is no longer running."""
         return prefix[2] < self.coll_seq.get(prefix[1], 0) and prefix not in self.members
 
-    def join(self, prefix: Key, session: int, fp: Fingerprint | None,
-             fail: Callable[[int, str, bool], None]) -> tuple[int, str, bool] | None:
+    def join(self, prefix: Key, member: Member) -> tuple[int, str, bool] | None:
         """Our call of collective `prefix` is admitted: check it against what peers
         sent for it already (and whether one of them failed it); later arrivals are
-        checked as they come, and `fail(code, why, notified)` ends our call.
-        (`CollectiveCall.prepare` makes the common case, nothing come before, in line.)"""
+        checked as they come, and `member.peer_failed(code, why, notified)` ends our
+        call. (`CollectiveCall.prepare` makes the common case, nothing come before,
+        in line.)"""
+        fp = member.fp
         failed = self._failed.pop(prefix, None)
         seen = self._seen.pop(prefix, None)
         if failed is not None:
@@ -365,8 +376,8 @@ class Inbox:
         if seen is not None and seen[1] != fp:
             assert fp is not None  # (a call that joins has one)
             self._give_up(prefix)
-            return (*mismatch(fp, seen[1], session, seen[0]), False)
-        self.members[prefix] = (session, fp, fail)
+            return (*mismatch(fp, seen[1], member.session, seen[0]), False)
+        self.members[prefix] = member
         return None
 
     def leave(self, prefix: Key) -> None:
@@ -380,11 +391,10 @@ class Inbox:
         if member is None:
             if msg.fp is not None and prefix not in self._seen:
                 self._seen[prefix] = (msg.src, msg.fp)
-        elif msg.fp is not None and msg.fp != member[1]:
-            session, fp, fail = member
-            assert fp is not None
-            code, why = mismatch(fp, msg.fp, session, msg.src)
-            fail(code, why, False)
+        elif msg.fp is not None and msg.fp != member.fp:
+            assert member.fp is not None
+            code, why = mismatch(member.fp, msg.fp, member.session, msg.src)
+            member.peer_failed(code, why, False)
 
     def _notice(self, msg: Message) -> None:
         """A peer's call of a collective failed: so does ours, now or when it comes;
@@ -395,7 +405,7 @@ class Inbox:
         member = self.members.pop(prefix, None)
         self._seen.pop(prefix, None)
         if member is not None:
-            member[2](code, why, True)
+            member.peer_failed(code, why, True)
         elif not self._ended(prefix):
             self._failed.setdefault(prefix, (code, why))  # for our call, when it comes
 

@@ -31,6 +31,7 @@ _OPERAND = operator.itemgetter(0)  # (of a rank's entry in `Meeting.arrived`)
 if TYPE_CHECKING:
     from .._calls._collective import CollectiveCall
     from .._calls._schedule import ScheduleCall
+    from .._calls._state import SoftCall
     from .._calls._state import Comm
     from .._datapath import Datapath
     from ._message import Key
@@ -54,7 +55,7 @@ class InProcessFabric:
     @staticmethod
     def _expire(meetings: list[Meeting]) -> None:
         for meeting in meetings:
-            meeting.expire()
+            meeting.overdue()
 
 
 class _Handover(Wait):
@@ -74,7 +75,7 @@ class _Handover(Wait):
         return self.inbox.withdraw(self.msg) or self.msg.state == MessageState.WITHDRAWN
 
 
-class Meeting:
+class Meeting(Wait):
     """One collective as its ranks' calls report to the roll call, in process: the
     first valid call's fingerprint (every later one is compared with it at once),
     and how many ranks joined, each once, its call valid or not (`seen`): the entry
@@ -84,11 +85,14 @@ class Meeting:
     last to arrive computes everyone's result at once (O(N) work for N ranks,
     instead of N log N messages) and ends every rank's call, on the spot.
 
-    One deadline serves the meeting: parked in the fabric's alarm when the first
-    rank sits down to wait (with that rank's timeout), it fails every call still
-    waiting then, naming the ranks that never came. Once a rank gave up (`leave`),
-    nobody computes (it never arrives): the calls still to come sit down to wait all
-    the same, and fail at their deadline or on the notice of the rank that gave up."""
+    A rank that sits down to wait waits for the meeting itself (`SoftCall.waiting`:
+    an abort or a peer's notice withdraws it, `withdraw`, as any other wait), its
+    rank known from its call. One deadline serves the meeting: parked in the
+    fabric's alarm when the first rank sits down (with that rank's timeout), it
+    fails every call still waiting then, naming the ranks that never came. Once a
+    rank gave up (`leave`), nobody computes (it never arrives): the calls still to
+    come sit down to wait all the same, and fail at their deadline or on the notice
+    of the rank that gave up."""
 
     __slots__ = ("size", "seen", "first", "fp", "arrived", "waiting", "_fabric")
 
@@ -136,13 +140,22 @@ class Meeting:
             path.combine(total, src, total)
         return total
 
-    def expire(self) -> None:
+    def overdue(self) -> None:
         """The deadline: the calls waiting here fail (engine context)."""
         # every call's words first: each expiry takes its rank out of the meeting
         expiring = [(call, call.timeout_detail(call.waiting))  # type: ignore[arg-type]
                     for call in self.waiting.values()]
         for call, detail in expiring:
             call.expire(detail)
+
+    def withdraw(self, call: SoftCall) -> bool:
+        """`call` gives up its seat (an abort, a peer's notice, the deadline)."""
+        self.leave(call.comm.rank)  # type: ignore[attr-defined]  # (a collective's)
+        return True
+
+    def missing(self) -> list[int]:
+        """The communicator ranks that have not arrived."""
+        return [r for r, came in enumerate(self.arrived) if came is None]
 
     def leave(self, rank: int) -> None:
         """A rank gave up (its call failed, or never ran): the others cannot finish
@@ -151,24 +164,6 @@ class Meeting:
         self.waiting.pop(rank, None)
         if not self.waiting:  # nobody waits here any more
             self._fabric.alarm.parked.pop(self, None)
-
-
-class _Seat(Wait):
-    """A rank's wait in a meeting: `SoftCall.waiting` while it waits, so that an
-    abort or a peer's notice withdraws it (`expire`) as any other wait."""
-
-    __slots__ = ("meeting", "rank")  # (no __init__: `Meeting.arrive` seats the rank)
-
-    meeting: Meeting
-    rank: int
-
-    def expire(self) -> bool:
-        self.meeting.leave(self.rank)
-        return True
-
-    def missing(self) -> list[int]:
-        """The communicator ranks that have not arrived."""
-        return [r for r, came in enumerate(self.meeting.arrived) if came is None]
 
 
 class _RollCall(Collective):
@@ -194,6 +189,8 @@ class _RollCall(Collective):
         meeting = roll.get(key)
         if meeting is None:  # the first makes the entry (in line), which counts it
             meeting = roll[key] = _new(Meeting)
+            meeting.done, meeting.value, meeting.waiter = False, None, None  # (as a Wait)
+            meeting.timeout_code = RECEIVE_TIMEOUT
             meeting.size = size = call.comm.size  # type: ignore[union-attr]  # (a collective's)
             meeting._fabric, meeting.first, meeting.fp = self.port.fabric, self.port.session, fp
             meeting.seen, meeting.arrived, meeting.waiting = 1, [None] * size, {}
@@ -244,28 +241,27 @@ class _Meet(_RollCall):
 
     def start(self, call: ScheduleCall) -> bool:
         meeting, call.meeting = call.meeting, None  # (it comes: nothing to give up later)
-        args, dev, rank = call.args, call.dev, call.comm.rank  # type: ignore[union-attr]
-        ours = dev.views.get((args.addr_0, args.addr_2, call.path, args.count))  # (src, dst, path)
+        rank = call.comm.rank  # type: ignore[union-attr]
+        ours = call.kept  # (src, dst, path): kept with its arguments' decoding
         if ours is None:
             ours = self._views(call, meeting)
             if ours is None:
                 return True  # (failed)
-        # Take part: the last to arrive computes and ends every call; the others wait,
-        # seated. If a rank gave up, nobody computes: the calls fail at the deadline (or
-        # on the notice of the rank that gave up).
+        # Take part: the last to arrive computes and ends every call; the others wait
+        # for the meeting. If a rank gave up, nobody computes: the calls fail at the
+        # deadline (or on the notice of the rank that gave up).
         meeting.arrived[rank] = ours
-        if len(meeting.waiting) == meeting.size - 1:  # every other rank came: the last
+        waiting = meeting.waiting
+        if len(waiting) == meeting.size - 1:  # every other rank came: the last
             meeting._compute(call)
             return True
-        seat = _new(_Seat)  # (no __init__: one call less per waiting rank)
-        seat.done, seat.value, seat.waiter, seat.timeout_code = False, None, None, RECEIVE_TIMEOUT
-        seat.meeting, seat.rank, call.waiting = meeting, rank, seat
-        meeting.waiting[rank] = call
-        if len(meeting.waiting) == 1:  # the first to sit down sets the meeting's deadline
+        waiting[rank], call.waiting = call, meeting
+        dev = call.dev
+        if len(waiting) == 1:  # the first to sit down sets the meeting's deadline
             self.port.fabric.alarm.park(meeting, dev.timeout)
         if dev.gone:  # waits for a rank that left the world?
             sessions = call.comm.sessions  # type: ignore[union-attr]
-            gone = [sessions[r] for r in seat.missing() if sessions[r] in dev.gone]
+            gone = [sessions[r] for r in meeting.missing() if sessions[r] in dev.gone]
             if gone:
                 call.aborting = Aborted(f"rank {gone[0]} left the world: {dev.gone[gone[0]]}")
                 call.interrupt(CallFailed(RECEIVE_TIMEOUT))
@@ -274,19 +270,27 @@ class _Meet(_RollCall):
     @staticmethod
     def _views(call: ScheduleCall, meeting: Meeting
                ) -> tuple[np.ndarray, np.ndarray, Datapath] | None:
-        """The call's operand and result in device memory, with its datapath, kept in
-        its CCLO's views; None if the CCLO cannot decode an address: the call then
-        failed (and left its meeting)."""
+        """The call's operand and result in device memory, with its datapath, kept
+        with its arguments' decoding (`SoftDevice.known`); None if the CCLO cannot
+        decode an address: the call then failed (and left its meeting). (A call
+        that waited, in order say, finds what was kept meanwhile, if its entry is
+        still there: no memory was freed since.)"""
         args, dev, path = call.args, call.dev, call.path
         assert path is not None and call.comm is not None
+        known = dev.known.get(args)
+        if known is not None and known[1] is not path:
+            known = None  # (decoded anew since the call was)
+        if known is not None and known[4] is not None:
+            return known[4]
         try:
-            ours = dev.views[(args.addr_0, args.addr_2, path, args.count)] = (
-                dev.array(args.addr_0, path.dtype, args.count),
-                dev.array(args.addr_2, path.dtype, args.count), path)
+            ours = (dev.array(args.addr_0, path.dtype, args.count),
+                    dev.array(args.addr_2, path.dtype, args.count), path)
         except CallFailed as failed:
             meeting.leave(call.comm.rank)
             call.finish(failed.code, failed.detail)
             return None
+        if known is not None:  # kept with the decoding (in line: `SoftDevice.known`)
+            dev.known[args] = (*known[:4], ours)
         return ours
 
     def abandon(self, call: CollectiveCall) -> None:
