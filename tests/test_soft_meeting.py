@@ -38,10 +38,10 @@ def test_an_address_the_cclo_cannot_decode_fails_the_meeting_at_once() -> None:
 
 
 @pytest.mark.parametrize("in_order", [False, True])
-def test_a_freed_buffer_is_not_read_through_the_views_kept_with_its_arguments(
+def test_a_freed_buffer_is_not_read_through_the_views_kept_for_its_arguments(
         in_order: bool) -> None:
-    """A loop of one small allreduce keeps its buffers' views with its arguments'
-    decoding (`SoftDevice.known`); once rank 1 frees its operand, its next call with
+    """A loop of one small allreduce keeps its buffers' views (`SoftDevice.views`)
+    and its arguments' decoding; once rank 1 frees its operand, its next call with
     the same arguments fails with DMA_DECODE_ERROR (and rank 0's on its notice)
     instead of reading the freed memory through what was kept."""
     async def main() -> tuple[list[aaccl.devices.DeviceCall], list[aaccl.devices.DeviceCall]]:
@@ -80,10 +80,9 @@ def test_a_freed_buffer_is_not_read_through_the_views_kept_with_its_arguments(
 
 
 def test_a_loop_over_many_slices_keeps_a_bounded_number_of_entries() -> None:
-    """Each slice is a call with its own addresses: what the CCLO knows of them (by
-    all the arguments, with the meeting's views) stays bounded, and the decoding
-    by all but the addresses is one entry."""
-    from aaccl.soft._device import DECODED_KEPT
+    """Each slice is a call with its own addresses: the views the CCLO keeps of
+    them stay bounded, and the decoding by all but the addresses is one entry."""
+    from aaccl.soft._device import VIEWS_KEPT
 
     async def main() -> tuple[int, int]:
         async with aaccl.open_world(2) as accls:
@@ -96,8 +95,8 @@ def test_a_loop_over_many_slices_keeps_a_bounded_number_of_entries() -> None:
                 for call in calls:
                     await call
             dev = accls[0]._driver.device
-            return len(dev.known), len(dev.decoded)
+            return len(dev.views), len(dev.decoded)
 
-    known, decoded = asyncio.run(main())
-    assert 0 < known <= DECODED_KEPT
+    views, decoded = asyncio.run(main())
+    assert 0 < views <= VIEWS_KEPT
     assert decoded == 1

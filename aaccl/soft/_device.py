@@ -34,9 +34,6 @@ DECODED_KEPT = 1024
 """Distinct collective arguments whose decoding a soft CCLO keeps (`remember`)."""
 Decoded = tuple[Comm, Datapath, Fingerprint, Collective | None]
 """What a collective's arguments decode to (see `SoftDevice.remember`)."""
-Known = tuple[Comm, Datapath, Fingerprint, Collective | None, Any]
-"""... and what its fabric keeps for them, such as views of its buffers (see
-`SoftDevice.known`)."""
 RETCODE = xm.RETCODE
 NOP = int(Scenario.NOP)  # (a global: a member looked up on its enum costs five times as much)
 HWID = 0x0000_00F8  # reduction, compression and stream bits as ACCL's driver reads them
@@ -71,10 +68,7 @@ class SoftDevice(Device):
         self._comms: dict[int, Comm] = {}
         self._configs: dict[int, xm.ArithConfig] = {}
         self._paths: dict[tuple[int, int, int], Datapath] = {}
-        self.decoded: dict[tuple[int, ...], Decoded] = {}  # by all but the addresses
-        # by all the arguments: their decoding and what the fabric kept for them (its
-        # buffers' views), for a loop of one collective to find in one lookup
-        self.known: dict[CallArgs, Known] = {}
+        self.decoded: dict[tuple[int, ...], Decoded] = {}
         self._send_seq: dict[tuple[Hashable, int], int] = {}
         self.queue: deque[SoftCall] = deque()  # in order: calls admitted, not ended; head runs
         self.calls: dict[SoftCall, None] = {}  # admitted, not finished (in order)
@@ -136,32 +130,15 @@ class SoftDevice(Device):
         self._configs.clear()
         self._paths.clear()
         self.decoded.clear()
-        self.known.clear()
 
     def remember(self, args: CallArgs, decoded: Decoded) -> None:
-        """What a collective's arguments decode to (`decoded`: its communicator,
-        datapath, fingerprint, and its fabric's part if that is `Collective.shared`),
-        so that calls with the same arguments skip decoding them: kept by all but
-        their addresses until exchange memory is written, and by all of them, with
-        what the fabric keeps for them (its buffers' views), in `known`, which a loop of one
-        collective finds in one lookup (`CollectiveCall.prepare`), until memory is
-        freed too."""
+        """What a collective's arguments decode to (`decoded`, keyed by all but its
+        addresses: its communicator, datapath, fingerprint, and its fabric's part if
+        that is `Collective.shared`), so that calls with the same arguments skip
+        decoding them; kept until exchange memory is written."""
         if len(self.decoded) >= DECODED_KEPT:
             self.decoded.clear()
         self.decoded[args[:9]] = decoded
-        self.recall(args)
-
-    def recall(self, args: CallArgs) -> Known | None:
-        """What arguments that differ from `args` at most in their addresses decoded
-        to (a loop over slices of a buffer, or after a free), known now for `args`
-        too; None if no such call came since exchange memory was written."""
-        decoded = self.decoded.get(args[:9])
-        if decoded is None:
-            return None
-        if len(self.known) >= DECODED_KEPT:
-            self.known.clear()
-        known = self.known[args] = (*decoded, None)
-        return known
 
     @staticmethod
     def _word(offset: int) -> int:
@@ -174,7 +151,6 @@ class SoftDevice(Device):
 
     def free(self, address: int) -> None:
         self.views.clear()  # (any thread: a dict's clear is atomic)
-        self.known.clear()  # (its entries keep views too)
         self.memory.free(address)
 
     def write(self, address: int, data: np.ndarray) -> None:

@@ -11,7 +11,6 @@ from typing import Any
 
 from ..._constants import ErrorCode, Scenario
 from ..._errors import Aborted
-from ...devices import DeviceCall
 from .._engine import Wait
 from .._datapath import Datapath
 from ..fabric import Collective, Fingerprint, Key, Message
@@ -24,7 +23,7 @@ class CollectiveCall(SoftCall):
     """copy, combine and the collectives (copy and combine have no communicator:
     nothing of this concerns them)."""
 
-    __slots__ = ("comm", "seq", "prefix", "fp", "way", "path", "kept", "meeting")
+    __slots__ = ("comm", "seq", "prefix", "fp", "way", "path", "meeting")
 
     # (declared here once: `prepare` sets them on a fast path and on the full one)
     comm: Comm | None
@@ -33,7 +32,6 @@ class CollectiveCall(SoftCall):
     fp: Fingerprint | None
     path: Datapath | None
     way: Collective | None  # how its fabric takes part (None: messages)
-    kept: Any  # what its fabric kept for calls with its arguments (`SoftDevice.known`), or None
     meeting: Any  # in process: the meeting it joined, until it came or gave its place up
     quiet = False
     """Its failure came from a peer, which has told the others (set where so)."""
@@ -44,10 +42,9 @@ class CollectiveCall(SoftCall):
         messages, now and as they come, and by the fabric's means (in process: all
         at once). Arguments seen before skip decoding (`SoftDevice.remember`)."""
         args, dev = self.args, self.dev
-        # decoded before: a loop of the same collective (on other buffers: `recall`)
-        known = dev.known.get(args) or dev.recall(args)
+        known = dev.decoded.get(args[:9])  # decoded before: a loop of the same collective
         if known is None:
-            self.comm = self.prefix = self.fp = self.path = self.way = self.kept = None
+            self.comm = self.prefix = self.fp = self.path = self.way = None
             self.seq = 0
             if args.scenario not in COLLECTIVES:  # copy, combine
                 if args.stream_flags:
@@ -56,7 +53,7 @@ class CollectiveCall(SoftCall):
                 return
             comm = dev.comm(args.comm)
         else:
-            comm, self.path, self.fp, self.way, self.kept = known
+            comm, self.path, self.fp, self.way = known
         self.comm, inbox = comm, dev.inbox
         self.seq = seq = inbox.coll_seq.get(comm.key, 0)  # (`Inbox.admit`, inline)
         inbox.coll_seq[comm.key] = seq + 1
@@ -107,10 +104,6 @@ class CollectiveCall(SoftCall):
         if not args.stream_flags:  # the same arguments decode alike
             self.dev.remember(args, (comm, path, fp, way if way is not None and way.shared
                                      else None))
-
-    def _when_ready(self, waitfor: tuple[DeviceCall, ...]) -> None:
-        self.kept = None  # (what was kept for it may not outlive a free before it runs)
-        super()._when_ready(waitfor)
 
     def describe(self) -> str:
         fp = self.fp

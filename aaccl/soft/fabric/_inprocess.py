@@ -241,8 +241,8 @@ class _Meet(_RollCall):
 
     def start(self, call: ScheduleCall) -> bool:
         meeting, call.meeting = call.meeting, None  # (it comes: nothing to give up later)
-        rank = call.comm.rank  # type: ignore[union-attr]
-        ours = call.kept  # (src, dst, path): kept with its arguments' decoding
+        args, dev, rank = call.args, call.dev, call.comm.rank  # type: ignore[union-attr]
+        ours = dev.views.get((args.addr_0, args.addr_2, call.path, args.count))  # (src, dst, path)
         if ours is None:
             ours = self._views(call, meeting)
             if ours is None:
@@ -256,7 +256,6 @@ class _Meet(_RollCall):
             meeting._compute(call)
             return True
         waiting[rank], call.waiting = call, meeting
-        dev = call.dev
         if len(waiting) == 1:  # the first to sit down sets the meeting's deadline
             self.port.fabric.alarm.park(meeting, dev.timeout)
         if dev.gone:  # waits for a rank that left the world?
@@ -270,27 +269,19 @@ class _Meet(_RollCall):
     @staticmethod
     def _views(call: ScheduleCall, meeting: Meeting
                ) -> tuple[np.ndarray, np.ndarray, Datapath] | None:
-        """The call's operand and result in device memory, with its datapath, kept
-        with its arguments' decoding (`SoftDevice.known`); None if the CCLO cannot
-        decode an address: the call then failed (and left its meeting). (A call
-        that waited, in order say, finds what was kept meanwhile, if its entry is
-        still there: no memory was freed since.)"""
+        """The call's operand and result in device memory, with its datapath, kept in
+        its CCLO's views; None if the CCLO cannot decode an address: the call then
+        failed (and left its meeting)."""
         args, dev, path = call.args, call.dev, call.path
         assert path is not None and call.comm is not None
-        known = dev.known.get(args)
-        if known is not None and known[1] is not path:
-            known = None  # (decoded anew since the call was)
-        if known is not None and known[4] is not None:
-            return known[4]
         try:
-            ours = (dev.array(args.addr_0, path.dtype, args.count),
-                    dev.array(args.addr_2, path.dtype, args.count), path)
+            ours = dev.views[(args.addr_0, args.addr_2, path, args.count)] = (
+                dev.array(args.addr_0, path.dtype, args.count),
+                dev.array(args.addr_2, path.dtype, args.count), path)
         except CallFailed as failed:
             meeting.leave(call.comm.rank)
             call.finish(failed.code, failed.detail)
             return None
-        if known is not None:  # kept with the decoding (in line: `SoftDevice.known`)
-            dev.known[args] = (*known[:4], ours)
         return ours
 
     def abandon(self, call: CollectiveCall) -> None:
