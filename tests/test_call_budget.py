@@ -23,10 +23,13 @@ from aaccl import ReduceFunction
 from test_mpi_fabric import MPIEXEC, assert_passed, launch
 
 RANKS = 4
-ALLREDUCE_BUDGET = 52
+ALLREDUCE_BUDGET = 51
 """Python calls per rank for one 1-element float32 allreduce of 4 in-process ranks
 on device-resident buffers, asyncio.gather and the event loop's own included (about
-27 of them): 51.25 once the first rank to sit down parks the meeting's deadline
+27 of them): 50.50 once every call and every rank's books share one lock (a call is
+adopted and booked in one critical section, and forgotten in its completion's: no
+`Call._adopt` frame) and the order check keeps its last task and call in two fields;
+51.25 once the first rank to sit down parks the meeting's deadline
 through `Alarm.park` again (no copy of it); 51.00 once a soft call has no constructor of its own, the roll call counts
 a rank and makes the meeting in `_RollCall.join`, and the meeting's deadline is
 parked in line; 53.50 once every call goes one way, `_submit`, which adopts and books
@@ -48,10 +51,10 @@ the call itself where `_track` did; 8 once a call is one object: the device
 makes a nop's, where it handed out one shared device call and the API made the Call,
 and the rank adopts it; 7 once a nop with nothing to wait for skips `_submit`; 8
 after issue 28's lean path; 24 at 71edb87)."""
-MPI_ALLREDUCE_BUDGET = 29
+MPI_ALLREDUCE_BUDGET = 28
 """Python calls per rank for one 1-element float32 allreduce over MPI (2 processes,
 device-resident buffers), the polls that find nothing not counted: tests/mpi/budget.py
-(28.11 once a collective is one object in the MPI lane (`Op`: its place, the wait for
+(27.11 with the in-process cuts of the shared lock; 28.11 once a collective is one object in the MPI lane (`Op`: its place, the wait for
 its opening and its part) with the in-process cuts above; 30.11 once a Call's await waits through `_bridge.wait` itself, handed the loop it
 found (no `ACCL._wait`, no second `running_loop`), and `_submit` adopts the call
 itself; 33.11 once a small collective's opening starts through `Lane._open`, the one copy of
