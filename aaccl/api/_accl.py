@@ -547,8 +547,8 @@ class ACCL:
 
     def _forget(self, call: Call) -> None:
         """A tracked call ended (its `on_done`, run under the lock its completion holds:
-        this rank's, `Call._lock`): its records go, in a few lines where it was alone
-        in the books."""
+        the one every call and every rank's books share, `devices._call.LOCK`): its
+        records go, in a few lines where it was alone in the books."""
         self._outstanding.discard(call)
         book = self._hazards
         if book._one is call:

@@ -263,7 +263,7 @@ class MPIFabric:
 
     # -- the progress thread --------------------------------------------------------
 
-    def poll(self, task: bool = True) -> bool | None:
+    def poll(self, task: bool = True) -> bool:
         """Make progress once; True if anything came. A task waiting for a call polls
         here (`task`) instead of waiting for the progress thread to wake it: it does
         not wait while another thread polls (False), and gives its core away when
@@ -273,13 +273,15 @@ class MPIFabric:
         if not self._poll_lock.acquire(not task):  # (by position: no keyword to parse)
             return False
         MPI, lane = self._mpi, self.lane
-        came: bool | None  # (None: the lane had nothing in flight)
+        came = False
         try:
             if self.buried:  # see `_bury`
-                came = False
+                pass
             # the lane's collective first (the awaited call's, most often): what came
-            # before its end is taken before its end is told (`_drain`)
-            elif came := lane is not None and lane.poll(self._drain):
+            # before its end is taken before its end is told (`_drain`); `tested` None:
+            # nothing was in flight
+            elif tested := lane is not None and lane.poll(self._drain):
+                came = True
                 if self._fetches:  # (`_drain` took every message MPI had, and what
                     self._fetched()  # waited behind them)
             else:
@@ -288,17 +290,17 @@ class MPIFabric:
                 # unless the lane's test made progress just now
                 status = self._status
                 message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-                if message is None and came is None:
+                if message is None and tested is None:
                     message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
                 elif message is None and lane is not None:
-                    came = lane.poll(self._drain)  # the probe made progress: test again
+                    tested = lane.poll(self._drain)  # the probe made progress: test again
                 if message is not None:
                     self._take(message, status)
                 if self._arriving:
                     self._arrivals()
                 if self._fetches:
                     self._fetched()
-                came = message is not None or bool(came)
+                came = message is not None or bool(tested)
         except MPI.Exception as error:  # a peer died mid-message: that one is lost
             self._mpi_error(error)
             came = False
