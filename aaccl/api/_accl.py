@@ -164,6 +164,7 @@ class ACCL:
         self._hazards: Hazards[Call] = Hazards()
         self._hazard_deps: dict[Call, tuple[Call, ...]] = {}
         self._syncs_out: dict[Call, Span] = {}  # what they sync to the host once run
+        self._forgets = self._forget  # (every call's `on_done`: no bound method per call)
         self._ncalls = 0
         # message orders (communicators of the same members share one), by comm_id and
         # by members: who issued their last collective (see _tasks)
@@ -399,7 +400,7 @@ class ACCL:
         # communicator where it is not the world. `submitted` is 0 unless tracing:
         # then the call's run is recorded once it ended.
         self._ncalls += 1
-        on_done = self._forget if not submitted else self._traced(op, engine, submitted)
+        on_done = self._forgets if not submitted else self._traced(op, engine, submitted)
         frame = _getframe(depth)
         while "_API_LAYER" in frame.f_globals:
             frame = frame.f_back  # type: ignore[assignment]  # the user's is further up
@@ -515,7 +516,7 @@ class ACCL:
         forgets it."""
         trace = _trace._active
         if trace is None:  # tracing ended since the call was submitted
-            return self._forget
+            return self._forgets
         record = self._record(trace, op, engine, submitted)
 
         def on_done(call: Call) -> None:

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 from .. import _threads
 
@@ -33,6 +33,12 @@ Event = Callable[..., None]
 DATA_WORKERS = max(2, min(8, os.cpu_count() or 2))
 """Threads for large numpy copies and reductions (they release the GIL): they only
 ever compute, never wait, so their number bounds parallelism, not outstanding calls."""
+
+
+class Waiter(Protocol):
+    """The call a `Wait` resumes once set (a soft call: `SoftCall._wake`)."""
+
+    def _wake(self, wait: Wait) -> None: ...
 
 
 class Wait:
@@ -50,7 +56,7 @@ class Wait:
     def __init__(self, timeout_code: int = 0) -> None:
         self.done = False
         self.value: Any = None
-        self.waiter: Callable[[Wait], None] | None = None
+        self.waiter: Waiter | None = None
         self.timeout_code = timeout_code
 
     def set(self, value: Any = None) -> None:
@@ -59,7 +65,7 @@ class Wait:
         self.done, self.value = True, value
         waiter, self.waiter = self.waiter, None
         if waiter is not None:
-            waiter(self)
+            waiter._wake(self)
 
     def expire(self) -> bool:
         return self.timeout_code != 0

@@ -351,7 +351,7 @@ class SoftCall(DeviceCall):
                 self.resume(None, CallFailed(ErrorCode.RECEIVE_TIMEOUT_ERROR))
                 return
         self.waiting = wait
-        wait.waiter = self._wake
+        wait.waiter = self  # (`Wait.set` calls our `_wake`: no bound method per wait)
         if wait.timeout_code:  # (its deadline: a dict entry, `SoftDevice.alarm`)
             self.dev.alarm.park(self, self.dev.timeout)
 
