@@ -38,11 +38,10 @@ class Event:
 
 
 class Poller:
-    """Fires `event` at its `answer_at`-th poll (never, if None), on the polling thread;
-    says data is `moving` (as an MPI transfer) until it answers, if told so."""
+    """Fires `event` at its `answer_at`-th poll (never, if None), on the polling thread."""
 
-    def __init__(self, event: Event, answer_at: int | None, moves: bool = False) -> None:
-        self.event, self.answer_at, self.moves = event, answer_at, moves
+    def __init__(self, event: Event, answer_at: int | None) -> None:
+        self.event, self.answer_at = event, answer_at
         self.polls, self.parks = 0, 0
         self.threads: set[int] = set()
 
@@ -56,10 +55,6 @@ class Poller:
 
     def park(self) -> None:
         self.parks += 1
-
-    @property
-    def moving(self) -> bool:
-        return self.moves and not self.event.happened
 
 
 @pytest.fixture
@@ -103,31 +98,6 @@ async def test_a_task_spins_before_its_first_turn_of_the_loop(
             monkeypatch.setattr(_bridge, "_next_turn", time.monotonic() + 60)
             await _bridge.wait(event.register, poller)
             assert turns == before and poller.polls == 50
-
-
-async def test_a_task_polls_past_its_time_while_data_moves(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past POLL_FOR a task parks, unless its poller's data is moving (MPI moves it
-    only while polled): then it polls on, yielding to the other tasks, until the
-    answer; parking would only hand the same polling to another thread."""
-    monkeypatch.setattr(_bridge, "POLL_FOR", 0.0)
-    event = Event()
-    poller = Poller(event, answer_at=200, moves=True)
-    turns = 0
-
-    async def other() -> None:
-        nonlocal turns
-        while not event.happened:
-            turns += 1
-            await anyio.sleep(0)
-
-    with anyio.fail_after(30):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(other)
-            await _bridge.wait(event.register, poller)
-    assert poller.polls == 200 and poller.parks == 0
-    assert poller.threads == {threading.get_ident()}
-    assert turns > 0  # the other task ran meanwhile
 
 
 async def test_polling_yields_to_the_other_tasks(patient: None) -> None:

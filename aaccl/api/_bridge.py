@@ -37,8 +37,7 @@ a round trip of a few microseconds, and a turn of the loop costs more than that.
 POLL_FOR = 0.002
 """Seconds a task polls (after its spin, yielding to the other tasks between polls)
 before it leaves the waiting to the device's own thread: a quick answer then costs no
-thread hop and no wake-up of the loop, and a long wait for a peer costs no core. (While
-data moves that only polls move, `Poller.moving`, it polls on: that thread would.)"""
+thread hop and no wake-up of the loop, and a long wait costs no core."""
 
 TURN_EVERY = 0.001
 """A task whose poll answers its call goes on without a turn of the event loop (a
@@ -53,9 +52,9 @@ async def wait(register: Register, poller: Poller | None = None,
                loop: asyncio.AbstractEventLoop | None = None) -> None:
     """Suspend the current task until the registered `wake` is called from any thread;
     with a `poller`, poll it for a while first: for up to SPIN_FOR without a turn of
-    the event loop, then with one between polls, up to POLL_FOR in all (and on while
-    `poller.moving`). If the task is cancelled meanwhile, `forget(wake)` unregisters
-    it (so that waits retried under timeouts add none).
+    the event loop, then with one between polls, up to POLL_FOR in all. If the task
+    is cancelled meanwhile, `forget(wake)` unregisters it (so that waits retried under
+    timeouts add none).
 
     On asyncio (inline here: a small call's wait is on the path of every call) the
     loop's future is only made if the task suspends for good (it parks). With `call`
@@ -119,7 +118,7 @@ async def wait(register: Register, poller: Poller | None = None,
                 now = time.monotonic()
                 if now < spin_until and now < _next_turn:
                     continue
-                if now >= until and not poller.moving:
+                if now >= until:
                     poller.park()
                     break
                 await asyncio.sleep(0)
@@ -178,7 +177,7 @@ async def _wait_trio(register: Register, poller: Poller | None,
             if poller is not None:
                 now = time.monotonic()
                 spin_until, until = now + SPIN_FOR, now + POLL_FOR
-                while waiting and (now < until or poller.moving):
+                while waiting and now < until:
                     poller.poll()
                     now = time.monotonic()
                     if waiting:

@@ -83,12 +83,6 @@ class Poller(Protocol):
         """A task stopped polling before its call finished: the device's own thread
         takes over."""
 
-    @property
-    def moving(self) -> bool:
-        """Data is under way that moves only while polled (an MPI transfer): a task
-        polls on instead of parking, since the device's own thread would poll as hard,
-        and the answer then costs no thread hop."""
-
 
 class Owner(Protocol):
     """The rank that adopted a call (`aaccl.ACCL`): it says what the call's outcome

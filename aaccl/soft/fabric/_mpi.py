@@ -310,13 +310,6 @@ class MPIFabric:
             os.sched_yield()  # wait for, where there are more processes than cores
         return came
 
-    @property
-    def moving(self) -> bool:
-        """MPI moves data of ours, which it does only while polled: a collective's
-        (the lane's), or payloads on their way (see `_progress`)."""
-        lane = self.lane
-        return bool(lane is not None and lane._moving or self._arriving or self._fetches)
-
     def park(self) -> None:
         """A task stopped polling before its call finished: the progress thread, which
         waits while tasks poll, takes over at once."""
