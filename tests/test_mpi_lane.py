@@ -76,6 +76,13 @@ def test_a_rank_that_left_fails_every_later_collective_at_once() -> None:
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
+def test_one_float_summed_from_the_opening_is_bitwise_numpys_fold(nprocs: int) -> None:
+    """A 1-element float sum that rides in the opening folds as numpy's scalars: the
+    same bits as numpy's ufunc in rank order (3 ranks: the rows after the first two)."""
+    assert_passed(launch(nprocs, "lane.py", "one", "timeout=10"), nprocs)
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
 def test_the_persistent_opening_made_afresh(nprocs: int) -> None:
     """The lane makes its persistent opening afresh every RENEW_EVERY openings (MPICH
     keeps a persistent collective's tag for good, and hands nonblocking ones tags from

@@ -100,3 +100,45 @@ def test_a_loop_over_many_slices_keeps_a_bounded_number_of_entries() -> None:
     views, decoded = asyncio.run(main())
     assert 0 < views <= VIEWS_KEPT
     assert decoded == 1
+
+
+def one_float_cases(dtype: np.dtype, size: int) -> list[list[float]]:
+    """Rank-by-rank values of a 1-element sum whose result depends on the order and
+    rounding of every step (in `dtype`), signed zeros, and a NaN: the meeting sums one
+    float per rank as numpy's scalars (`fold_one`), which must equal its ufuncs."""
+    rng = np.random.default_rng(size)
+    big = float(np.finfo(dtype).max) / (4 * size)  # (no overflow: no warning)
+    cases = [rng.uniform(-1, 1, size) * 10.0 ** rng.integers(-4, 5, size)
+             for _ in range(6)]
+    cases += [[big, 1.0, -big, 1.0, 0.1][:size] + [0.5] * (size - 5),
+              [-0.0] * size, [1.0, float("nan")] + [2.0] * (size - 2)]
+    return [list(map(float, case)) for case in cases]
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_one_float_summed_as_scalars_is_bitwise_numpys_fold(dtype: type, size: int) -> None:
+    """A 1-element float allreduce (SUM) folds as numpy's scalars: the same bits as
+    numpy's ufunc adding the ranks' arrays in rank order, on every rank."""
+    cases = one_float_cases(np.dtype(dtype), size)
+
+    async def main() -> list[np.ndarray]:
+        async with aaccl.open_world(size) as accls:
+            srcs = [x.allocate(1, dtype) for x in accls]
+            dsts = [x.allocate(1, dtype) for x in accls]
+            got = []
+            for case in cases:
+                for src, value in zip(srcs, case):
+                    src[0] = value
+                await asyncio.gather(*(x.allreduce(s, d, 1, ReduceFunction.SUM)
+                                       for x, s, d in zip(accls, srcs, dsts)))
+                got.append(np.concatenate([np.asarray(d).copy() for d in dsts]))
+            return got
+
+    bits = np.dtype(f"u{np.dtype(dtype).itemsize}")
+    for case, got in zip(cases, asyncio.run(main())):
+        operands = [np.array([value], dtype) for value in case]
+        expected = operands[0]
+        for operand in operands[1:]:
+            expected = np.add(expected, operand)
+        assert (got.view(bits) == expected.view(bits)[0]).all(), (case, got, expected)

@@ -28,6 +28,9 @@ Suites:
   left      (timeout=10, 2 ranks) rank 0's program raises with an allreduce still
             waiting for its dependency; rank 1's next three collectives (small and
             large) each fail at once, saying rank 0 left (fails, by design).
+  one       a 1-element float allreduce (SUM) of each float dtype, folded from the
+            opening's blocks as numpy's scalars: the same bits on every rank as
+            numpy's ufunc adding the ranks' values in rank order.
   renew     the lane makes its persistent opening afresh every 4 openings instead of
             every 2**20 (`_lane.RENEW_EVERY`): small and large collectives, one at a
             time and 200 outstanding, are all right, and it was made afresh.
@@ -44,6 +47,7 @@ import numpy as np
 from _harness import Checks, run_suite, say
 from test_chaining import recv_dependent_allreduce_then_an_independent_one
 from test_communicators import gathers_with_different_roots
+from test_soft_meeting import one_float_cases
 
 import aaccl
 from aaccl import ReduceFunction
@@ -278,6 +282,21 @@ async def left(checks: Checks, accl: aaccl.ACCL) -> None:
         say(f"lane-left rank=1 call={i} {exc}")
 
 
+async def one(checks: Checks, accl: aaccl.ACCL) -> None:
+    size = accl.size
+    for dtype in (np.float16, np.float32, np.float64):
+        src, dst = accl.allocate(1, dtype), accl.allocate(1, dtype)
+        bits = np.dtype(f"u{np.dtype(dtype).itemsize}")
+        for case in one_float_cases(np.dtype(dtype), size):
+            src[0] = case[accl.rank]
+            await accl.allreduce(src, dst, 1, SUM)
+            expected = np.array([case[0]], dtype)
+            for value in case[1:]:
+                expected = np.add(expected, np.array([value], dtype))
+            assert dst.view(bits)[0] == expected.view(bits)[0], (case, dst, expected)
+            checks()
+
+
 async def renew(checks: Checks, accl: aaccl.ACCL) -> None:
     renewed = 0
     make = _lane.Lane._renew
@@ -314,4 +333,4 @@ if __name__ == "__main__":
     if "renew" in sys.argv:  # (before the world's lane is made: see `renew`)
         _lane.RENEW_EVERY = 4
     run_suite({"verdicts": verdicts, "late": late, "many": many, "waitfor": waitfor,
-               "roots": roots, "gave_up": gave_up, "left": left, "renew": renew})
+               "roots": roots, "gave_up": gave_up, "left": left, "renew": renew, "one": one})

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..._constants import ErrorCode, Scenario
 from ..._errors import Aborted
+from .._datapath import fold_one
 from .._engine import Alarm, Engine, Wait
 from .._failure import CallFailed
 from ..algorithms import SMALL_ALLREDUCE_COUNT
@@ -113,9 +114,16 @@ class Meeting(Wait):
         dtype. Fold, then end every call."""
         retcode = 0
         try:
-            total = self.fold()
-            for _, d, _ in self.arrived:  # type: ignore[misc]  # (all came)
-                d[...] = total
+            arrived = self.arrived
+            first, _, path = arrived[0]  # type: ignore[misc]  # (all came)
+            if path.sums_floats and len(first) == 1:  # one float each: as scalars
+                one = fold_one(map(_OPERAND, arrived))  # type: ignore[arg-type]
+                for _, d, _ in arrived:  # type: ignore[misc]
+                    d[0] = one
+            else:
+                total = self.fold()
+                for _, d, _ in arrived:  # type: ignore[misc]
+                    d[...] = total
         except Exception:  # a bug in the model fails this collective, and nothing else
             log.exception("soft CCLO: internal error in allreduce (its ranks meeting in process)")
             retcode = int(ErrorCode.DMA_INTERNAL_ERROR)

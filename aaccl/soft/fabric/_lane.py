@@ -491,9 +491,15 @@ class Lane:
             try:
                 if fold is not None:  # an allreduce (`blocks.settle`'s, inline)
                     first, second, rest, ufunc = fold
-                    ufunc(first, second, res)  # (`out` by position: half the cost)
-                    for row in rest:
-                        ufunc(res, row, res)
+                    if ufunc is None:  # (one float each: `fold_one`'s, inline)
+                        one = first[0] + second[0]
+                        for row in rest:
+                            one = one + row[0]
+                        res[0] = one  # type: ignore[index]  # (a fold has a result)
+                    else:
+                        ufunc(first, second, res)  # (`out` by position: half the cost)
+                        for row in rest:
+                            ufunc(res, row, res)
                 else:
                     assert call.comm is not None and call.path is not None
                     blocks.settle(call.fp, call.comm.rank, gathered,  # type: ignore[arg-type]
@@ -606,10 +612,11 @@ def _operands(call: ScheduleCall) -> tuple[Datapath, np.ndarray | None, np.ndarr
     return path, op0, res
 
 
-Fold = tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...], Callable[..., Any]]
+Fold = tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...], Callable[..., Any] | None]
 """How an allreduce whose data rides in the opening settles (`_shape`): every rank's
 row of the lane's gathered blocks (views made once: ranks 0 and 1, then the rest),
-folded with a ufunc in rank order."""
+folded with a ufunc in rank order (None: one float each, summed as numpy's scalars,
+`fold_one`)."""
 Shape = tuple[int, int, int, Fold | None]
 Views = tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None, Fold | None]
 """A call's operand and result, the part of its operand its block carries (a view of
@@ -631,7 +638,8 @@ def _shape(lane: Lane, call: ScheduleCall, fp: Fingerprint) -> Shape | bool:
             and path.dtype == path.arith == np.dtype(dtype):  # (`Datapath.combine`'s case)
         rows = np.ndarray((size, count), path.arith, lane._gathered, blocks.HEAD,
                           (BLOCK, path.arith.itemsize))
-        fold = (rows[0], rows[1], tuple(rows[2:]), path.ufunc)
+        fold = (rows[0], rows[1], tuple(rows[2:]),
+                None if path.sums_floats and count == 1 else path.ufunc)
     return blocks.share(fp, comm.rank) if reach[0] else 0, reach[0], reach[2], fold
 
 
