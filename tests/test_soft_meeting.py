@@ -119,7 +119,9 @@ def one_float_cases(dtype: np.dtype, size: int) -> list[list[float]]:
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_one_float_summed_as_scalars_is_bitwise_numpys_fold(dtype: type, size: int) -> None:
     """A 1-element float allreduce (SUM) folds as numpy's scalars: the same bits as
-    numpy's ufunc adding the ranks' arrays in rank order, on every rank."""
+    numpy's ufunc adding the ranks' arrays in rank order, on every rank. (Not where
+    two NaNs meet: which one a sum keeps is open, and the two ways differ; a sum
+    with one NaN is the NaN.)"""
     cases = one_float_cases(np.dtype(dtype), size)
 
     async def main() -> list[np.ndarray]:

@@ -28,9 +28,11 @@ class UnsupportedConfig(Exception):
 
 
 def fold_one(operands: Iterable[np.ndarray]) -> np.generic:
-    """The sum of the first float of each operand, in their order, as numpy's scalars
-    (which round as its ufuncs do): a third of the cost of its ufuncs on 1-element
-    arrays, a small allreduce's fold (`Datapath.sums_floats`)."""
+    """The sum of the first float of each operand, in their order, as numpy's scalars:
+    a third of the cost of its ufuncs on 1-element arrays, a small allreduce's fold
+    (`Datapath.sums_floats`). They round as its ufuncs do, bit for bit, but for which
+    NaN the sum of two NaNs keeps (the other sign, where numpy's loop takes its
+    operands the other way round: IEEE 754 leaves that open)."""
     items = iter(operands)
     total = next(items)[0]
     for operand in items:
@@ -74,7 +76,7 @@ class Datapath:
             self.slots = (a, b, c)
         self.itemsizes = tuple(dtype.itemsize for dtype in self.slots)
         # floats summed in their own type: one element of them folds as numpy's scalars
-        # (`fold_one`), which round as its ufuncs do
+        # (`fold_one`)
         self.sums_floats = op == "sum" and self.arith == self.dtype and self.dtype.kind == "f"
 
     def _compressed_dtype(self, cfg: xm.ArithConfig) -> np.dtype:
