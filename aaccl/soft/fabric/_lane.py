@@ -491,7 +491,8 @@ class Lane:
             try:
                 if fold is not None:  # an allreduce (`blocks.settle`'s, inline)
                     first, second, rest, ufunc = fold
-                    if ufunc is None:  # (one float each: `fold_one`'s, inline)
+                    if ufunc is None:  # (one float each: `fold_one`'s, inline: a call
+                        # less per rank, which tests/mpi/budget.py counts)
                         one = first[0] + second[0]
                         for row in rest:
                             one = one + row[0]
