@@ -47,6 +47,15 @@ a timeout or cancel scope around a loop of such calls still fires."""
 _next_turn = 0.0  # (monotonic) when a polling task next lets the loop turn
 
 
+def answered(poller: Poller, call: Finishes) -> bool:
+    """Poll once for an asyncio task about to wait for `call`: True if that finished
+    it and the loop turned lately (TURN_EVERY), so the task goes on without waiting;
+    else it waits (`wait`, whose first poll follows). Over MPI a small collective's
+    answer is most often in by the time its task awaits it: this is its whole wait."""
+    poller.poll()
+    return call._finished and time.monotonic() < _next_turn
+
+
 async def wait(register: Register, poller: Poller | None = None,
                forget: Forget | None = None, call: Finishes | None = None,
                loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -71,18 +80,20 @@ async def wait(register: Register, poller: Poller | None = None,
     global _next_turn
     began = 0.0
     if call is not None and poller is not None:
-        while True:
+        while not call._finished:  # (`answered` may have polled it done already)
             poller.poll()
-            now = time.monotonic()
             if call._finished:
-                if now >= _next_turn:
-                    await asyncio.sleep(0)
-                    _next_turn = time.monotonic() + TURN_EVERY
-                return
+                break
+            now = time.monotonic()
             if not began:  # (the spin counts from its first poll: most often the last)
                 began = now
             if now >= began + SPIN_FOR or now >= _next_turn:
                 break  # (what is left of the wait goes the general way, below)
+        if call._finished:  # the loop turns if it has not lately, and the task goes on
+            if time.monotonic() >= _next_turn:
+                await asyncio.sleep(0)
+                _next_turn = time.monotonic() + TURN_EVERY
+            return
     home = threading.get_ident()
     woke = False
     future: asyncio.Future[None] | None = None

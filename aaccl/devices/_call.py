@@ -104,6 +104,11 @@ class Owner(Protocol):
     that returns once `call` finished. (A function, not a method: no frame of the
     owner's between an await and its wait.)"""
 
+    _answered: Callable[[Poller, Call], bool]
+    """`aaccl.api._bridge.answered`: poll once; True if that finished the call and the
+    event loop need not turn yet (then an asyncio task awaiting it goes on with no
+    wait at all: over MPI, the common small collective)."""
+
 
 def running_loop(owner: Owner) -> asyncio.AbstractEventLoop | None:
     """The asyncio loop running in this thread, or None (trio, a thread of its own).
@@ -426,7 +431,9 @@ class Call:
                         except BaseException:
                             self._forget(future)
                             raise
-                else:  # trio, or a device to poll while waiting (MPI)
+                elif poller is None or loop is None or not owner._answered(poller, self):
+                    # trio, or a device to poll while waiting (MPI) that a first poll
+                    # did not answer
                     until_done = owner._wait(self._register, poller, self._forget, self, loop)
                     yield from until_done.__await__()
             except BaseException:
