@@ -104,7 +104,7 @@ class Owner(Protocol):
     that returns once `call` finished. (A function, not a method: no frame of the
     owner's between an await and its wait.)"""
 
-    _answered: Callable[[Poller, Call], bool]
+    _answered: Callable[..., bool]
     """`aaccl.api._bridge.answered`: poll once; True if that finished the call and the
     event loop need not turn yet (then an asyncio task awaiting it goes on with no
     wait at all: over MPI, the common small collective)."""
