@@ -1,4 +1,5 @@
-"""`_bridge.wait`: waking a task from any thread, and polling a device before parking.
+"""`_bridge.wait` (and `answered`, an await's first poll): waking a task from any
+thread, and polling a device before parking.
 
 A `Poller` stands in for the MPI fabric: its `poll` delivers the answer on the
 loop's own thread after some polls, or never (then the task parks, says so through
@@ -140,6 +141,50 @@ async def test_calls_answered_at_their_first_poll_still_let_the_loop_turn() -> N
                     waits += 1
             tg.cancel_scope.cancel()
     assert scope.cancelled_caught and turns >= 2 and waits > 0
+
+
+class Awaited:
+    """The call a task awaits, as `answered` and `wait` read it: `_finished` once its
+    event happened."""
+
+    def __init__(self, event: Event) -> None:
+        self.event = event
+
+    @property
+    def _finished(self) -> bool:
+        return self.event.happened
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # (`answered` is asyncio's path)
+async def test_calls_answered_by_the_first_poll_of_their_await_still_let_the_loop_turn(
+        anyio_backend: str) -> None:
+    """Call.__await__ on asyncio polls once (`answered`) before it waits: a loop of
+    calls that poll answers goes on with no wait at all, but not for long: once
+    TURN_EVERY has passed, `answered` says so, and `wait` lets the loop turn (the
+    other tasks run, the cancel scope around the loop fires)."""
+    turns = answered = waited = 0
+
+    async def other() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await anyio.sleep(0)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(other)
+            with anyio.move_on_after(0.05) as scope:
+                while answered + waited < 500_000:  # (a bound: a task that never yields)
+                    event = Event()
+                    call, poller = Awaited(event), Poller(event, answer_at=1)
+                    if _bridge.answered(poller, call):
+                        answered += 1
+                    else:  # (its answer is in: the wait's only turn of the loop)
+                        await _bridge.wait(event.register, poller, call=call)
+                        waited += 1
+                    assert poller.polls == 1 and event.happened
+            tg.cancel_scope.cancel()
+    assert scope.cancelled_caught and turns >= 2 and answered > waited > 0
 
 
 async def test_a_task_that_polls_in_vain_parks_and_is_woken_from_another_thread() -> None:
