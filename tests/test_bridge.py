@@ -9,7 +9,7 @@ loop's own thread after some polls, or never (then the task parks, says so throu
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import anyio
 import pytest
@@ -119,11 +119,10 @@ async def test_polling_yields_to_the_other_tasks(patient: None) -> None:
     assert seen and seen[0] >= 3 and poller.parks == 0
 
 
-async def test_calls_answered_at_their_first_poll_still_let_the_loop_turn() -> None:
-    """A loop of waits, each answered by its first poll, still lets the other tasks
-    run, and the cancel scope around it fires (on asyncio such an answer skips the
-    loop's turn, but not for long: _bridge.TURN_EVERY)."""
-    turns = waits = 0
+async def turns_beside(step: Callable[[], Awaitable[object]]) -> int:
+    """Await `step()` over and over for 50 ms of a cancel scope, beside a task that
+    counts the loop's turns meanwhile; the turns counted, once the scope fired."""
+    turns = steps = 0
 
     async def other() -> None:
         nonlocal turns
@@ -135,12 +134,24 @@ async def test_calls_answered_at_their_first_poll_still_let_the_loop_turn() -> N
         async with anyio.create_task_group() as tg:
             tg.start_soon(other)
             with anyio.move_on_after(0.05) as scope:
-                while waits < 500_000:  # (a bound: a task that never yields ends too)
-                    event = Event()
-                    await _bridge.wait(event.register, Poller(event, answer_at=1))
-                    waits += 1
+                while steps < 500_000:  # (a bound: a task that never yields ends too)
+                    await step()
+                    steps += 1
             tg.cancel_scope.cancel()
-    assert scope.cancelled_caught and turns >= 2 and waits > 0
+    assert scope.cancelled_caught and steps > 0
+    return turns
+
+
+async def test_calls_answered_at_their_first_poll_still_let_the_loop_turn() -> None:
+    """A loop of waits, each answered by its first poll, still lets the other tasks
+    run, and the cancel scope around it fires (on asyncio such an answer skips the
+    loop's turn, but not for long: _bridge.TURN_EVERY)."""
+
+    async def step() -> None:
+        event = Event()
+        await _bridge.wait(event.register, Poller(event, answer_at=1))
+
+    assert await turns_beside(step) >= 2
 
 
 class Awaited:
@@ -162,29 +173,20 @@ async def test_calls_answered_by_the_first_poll_of_their_await_still_let_the_loo
     calls that poll answers goes on with no wait at all, but not for long: once
     TURN_EVERY has passed, `answered` says so, and `wait` lets the loop turn (the
     other tasks run, the cancel scope around the loop fires)."""
-    turns = answered = waited = 0
+    answered = waited = 0
 
-    async def other() -> None:
-        nonlocal turns
-        while True:
-            turns += 1
-            await anyio.sleep(0)
+    async def step() -> None:
+        nonlocal answered, waited
+        event = Event()
+        call, poller = Awaited(event), Poller(event, answer_at=1)
+        if _bridge.answered(poller, call):
+            answered += 1
+        else:  # (its answer is in: the wait's only turn of the loop)
+            await _bridge.wait(event.register, poller, call=call)
+            waited += 1
+        assert poller.polls == 1 and event.happened
 
-    with anyio.fail_after(30):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(other)
-            with anyio.move_on_after(0.05) as scope:
-                while answered + waited < 500_000:  # (a bound: a task that never yields)
-                    event = Event()
-                    call, poller = Awaited(event), Poller(event, answer_at=1)
-                    if _bridge.answered(poller, call):
-                        answered += 1
-                    else:  # (its answer is in: the wait's only turn of the loop)
-                        await _bridge.wait(event.register, poller, call=call)
-                        waited += 1
-                    assert poller.polls == 1 and event.happened
-            tg.cancel_scope.cancel()
-    assert scope.cancelled_caught and turns >= 2 and answered > waited > 0
+    assert await turns_beside(step) >= 2 and answered > waited > 0
 
 
 async def test_a_task_that_polls_in_vain_parks_and_is_woken_from_another_thread() -> None:

@@ -26,7 +26,8 @@ Forget = Callable[[Callable[[], None]], None]
 class Finishes(Protocol):
     """What a wait is for (the API's Call): `_finished` turns True when it happened."""
 
-    _finished: bool
+    @property
+    def _finished(self) -> bool: ...
 
 SPIN_FOR = 50e-6
 """Seconds a task spins on its poller (polls with no turn of the event loop between
