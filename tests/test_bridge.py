@@ -166,12 +166,11 @@ class Awaited:
         return self.event.happened
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # (`answered` is asyncio's path)
 async def test_calls_answered_by_the_first_poll_of_their_await_still_let_the_loop_turn(
-        anyio_backend: str) -> None:
-    """Call.__await__ on asyncio polls once (`answered`) before it waits: a loop of
-    calls that poll answers goes on with no wait at all, but not for long: once
-    TURN_EVERY has passed, `answered` says so, and `wait` lets the loop turn (the
+        ) -> None:
+    """Call.__await__ polls once (`answered`) before it waits, with a device to poll:
+    a loop of calls that poll answers goes on with no wait at all, but not for long:
+    once TURN_EVERY has passed, `answered` says so, and `wait` lets the loop turn (the
     other tasks run, the cancel scope around the loop fires)."""
     answered = waited = 0
 

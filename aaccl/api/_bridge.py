@@ -46,13 +46,15 @@ turn costs more than the rest of a small call's wait), and one that spins spins 
 unless the loop has not turned for this many seconds: the other tasks still run, and
 a timeout or cancel scope around a loop of such calls still fires."""
 _next_turn = 0.0  # (monotonic) when a polling task next lets the loop turn
+_running_loop = asyncio._get_running_loop  # (None outside asyncio: no exception to raise)
 
 
 def answered(poller: Poller, call: Finishes) -> bool:
-    """Poll once for an asyncio task about to wait for `call`: True if that finished
-    it and the loop turned lately (TURN_EVERY), so the task goes on without waiting;
-    else it waits (`wait`, whose first poll follows). Over MPI a small collective's
-    answer is most often in by the time its task awaits it: this is its whole wait."""
+    """Poll once for a task (asyncio or trio) about to wait for `call`: True if that
+    finished it and the loop turned lately (TURN_EVERY), so the task goes on without
+    waiting; else it waits (`wait`, which lets the loop turn if `call` is done, or
+    polls on). Over MPI a small collective's answer is most often in by the time its
+    task awaits it: this is its whole wait, with no waker made on either loop."""
     poller.poll()
     return call._finished and time.monotonic() < _next_turn
 
@@ -73,10 +75,9 @@ async def wait(register: Register, poller: Poller | None = None,
     collective over MPI) costs no waker at all. `loop`: the running loop of asyncio,
     if the caller knows it (asyncio's lookup costs a system call)."""
     if loop is None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            await _wait_trio(register, poller, forget)
+        loop = _running_loop()  # (None: trio, where asyncio's own lookup would raise)
+        if loop is None:
+            await _wait_trio(register, poller, forget, call)
             return
     global _next_turn
     began = 0.0
@@ -151,11 +152,16 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-async def _wait_trio(register: Register, poller: Poller | None,
-                     forget: Forget | None) -> None:
+async def _wait_trio(register: Register, poller: Poller | None, forget: Forget | None,
+                     call: Finishes | None = None) -> None:
     import trio
 
     global _next_turn
+    if call is not None and call._finished:  # (`answered` polled it done: the turn)
+        if time.monotonic() >= _next_turn:
+            await trio.lowlevel.checkpoint()
+            _next_turn = time.monotonic() + TURN_EVERY
+        return
     task = trio.lowlevel.current_task()
     token = trio.lowlevel.current_trio_token()
     home = threading.get_ident()

@@ -106,8 +106,8 @@ class Owner(Protocol):
 
     _answered: Callable[..., bool]
     """`aaccl.api._bridge.answered`: poll once; True if that finished the call and the
-    event loop need not turn yet (then an asyncio task awaiting it goes on with no
-    wait at all: over MPI, the common small collective)."""
+    event loop need not turn yet (then the task awaiting it, on asyncio or trio, goes
+    on with no wait at all: over MPI, the common small collective)."""
 
 
 def running_loop(owner: Owner) -> asyncio.AbstractEventLoop | None:
@@ -431,7 +431,7 @@ class Call:
                         except BaseException:
                             self._forget(future)
                             raise
-                elif poller is None or loop is None or not owner._answered(poller, self):
+                elif poller is None or not owner._answered(poller, self):
                     # trio, or a device to poll while waiting (MPI) that a first poll
                     # did not answer
                     until_done = owner._wait(self._register, poller, self._forget, self, loop)
