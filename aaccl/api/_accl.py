@@ -545,7 +545,7 @@ class ACCL:
     _outcome = staticmethod(outcome)  # (what a call's device outcome means: Call's owner)
 
     _wait = staticmethod(_bridge.wait)  # (how a Call waits where asyncio's future cannot)
-    _answered = staticmethod(_bridge.answered)  # (its first poll, on asyncio)
+    _answered = staticmethod(_bridge.answered)  # (an await's first poll, with a poller)
 
     def _forget(self, call: Call) -> None:
         """A tracked call ended (its `on_done`, run under the lock its completion holds:

@@ -346,20 +346,20 @@ class MPIFabric:
     def _before_end(self) -> None:
         """What a lane's collective needs taken before its end is told (`Lane.poll`'s
         `before`): every message MPI has (`_drain`) while a send of ours waits for its
-        peer (an ack, a request for its payload, an answer), which the program may count
-        on once past the collective; else only what arrived and waits behind a payload.
-        (A probe costs a small collective's end a tenth of its time: later polls take
-        what else came.)"""
+        peer (an ack, a request for its payload, an answer); else only what arrived and
+        waits behind a payload. (A probe costs a small collective's end a tenth of its
+        time: later polls take what else came.)"""
         if self._eager or self._waiting or self._held:
             self._drain()
         elif self._arriving:
             self._arrivals()
 
     def _drain(self) -> None:
-        """Take every message MPI already has, before a collective's end is told: what
-        a peer sent before entering the collective (the acks that free this rank's
-        eager window, say) arrived before the collective's own data, and must count
-        before the program goes on (a barrier, then sends that fit the window)."""
+        """Take every message MPI already has, and what waits behind a payload: what a
+        peer sent before entering a collective (the acks that free this rank's eager
+        window, say) arrived before the collective's own data, and must count before
+        the program goes on (a barrier, then sends that fit the window: `_before_end`);
+        what a dead peer sent before it died, before its calls end (`_bury`)."""
         MPI, status = self._mpi, self._status
         while (message := self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)) is not None:
             self._take(message, status)
