@@ -77,7 +77,7 @@ async def wait(register: Register, poller: Poller | None = None,
     if loop is None:
         loop = _running_loop()  # (None: trio, where asyncio's own lookup would raise)
         if loop is None:
-            await _wait_trio(register, poller, forget, call)
+            await _wait_trio(register, poller, forget)
             return
     global _next_turn
     began = 0.0
@@ -152,16 +152,11 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-async def _wait_trio(register: Register, poller: Poller | None, forget: Forget | None,
-                     call: Finishes | None = None) -> None:
+async def _wait_trio(register: Register, poller: Poller | None,
+                     forget: Forget | None) -> None:
     import trio
 
     global _next_turn
-    if call is not None and call._finished:  # (`answered` polled it done: the turn)
-        if time.monotonic() >= _next_turn:
-            await trio.lowlevel.checkpoint()
-            _next_turn = time.monotonic() + TURN_EVERY
-        return
     task = trio.lowlevel.current_task()
     token = trio.lowlevel.current_trio_token()
     home = threading.get_ident()
@@ -190,28 +185,32 @@ async def _wait_trio(register: Register, poller: Poller | None, forget: Forget |
         waiting = False
         return trio.lowlevel.Abort.SUCCEEDED
 
-    if register(wake):
-        try:
-            if poller is not None:
+    if not register(wake):  # it happened already (`answered` may have polled it done)
+        if poller is not None and time.monotonic() >= _next_turn:  # a polling task's turn
+            await trio.lowlevel.checkpoint()
+            _next_turn = time.monotonic() + TURN_EVERY
+        return
+    try:
+        if poller is not None:
+            now = time.monotonic()
+            spin_until, until = now + SPIN_FOR, now + POLL_FOR
+            while waiting and now < until:
+                poller.poll()
                 now = time.monotonic()
-                spin_until, until = now + SPIN_FOR, now + POLL_FOR
-                while waiting and now < until:
-                    poller.poll()
-                    now = time.monotonic()
-                    if waiting:
-                        if now < spin_until and now < _next_turn:
-                            continue  # spin: no checkpoint between polls
-                    elif now < _next_turn:
-                        return  # answered, and the loop turned lately
-                    await trio.lowlevel.checkpoint()
-                    now = time.monotonic()
-                    _next_turn = now + TURN_EVERY
-                if not waiting:
-                    return
-                parked = True
-                poller.park()
-            await trio.lowlevel.wait_task_rescheduled(abort)
-        except BaseException:
-            if forget is not None:
-                forget(wake)
-            raise
+                if waiting:
+                    if now < spin_until and now < _next_turn:
+                        continue  # spin: no checkpoint between polls
+                elif now < _next_turn:
+                    return  # answered, and the loop turned lately
+                await trio.lowlevel.checkpoint()
+                now = time.monotonic()
+                _next_turn = now + TURN_EVERY
+            if not waiting:
+                return
+            parked = True
+            poller.park()
+        await trio.lowlevel.wait_task_rescheduled(abort)
+    except BaseException:
+        if forget is not None:
+            forget(wake)
+        raise
