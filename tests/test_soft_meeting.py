@@ -115,6 +115,15 @@ def one_float_cases(dtype: np.dtype, size: int) -> list[list[float]]:
     return [list(map(float, case)) for case in cases]
 
 
+def ufunc_fold(case: list[float], dtype: np.dtype) -> np.ndarray:
+    """The reference for `one_float_cases`: numpy's ufunc adding the ranks' 1-element
+    arrays in rank order."""
+    total = np.array([case[0]], dtype)
+    for value in case[1:]:
+        total = np.add(total, np.array([value], dtype))
+    return total
+
+
 @pytest.mark.parametrize("size", [2, 3, 5])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_one_float_summed_as_scalars_is_bitwise_numpys_fold(dtype: type, size: int) -> None:
@@ -139,8 +148,5 @@ def test_one_float_summed_as_scalars_is_bitwise_numpys_fold(dtype: type, size: i
 
     bits = np.dtype(f"u{np.dtype(dtype).itemsize}")
     for case, got in zip(cases, asyncio.run(main())):
-        operands = [np.array([value], dtype) for value in case]
-        expected = operands[0]
-        for operand in operands[1:]:
-            expected = np.add(expected, operand)
+        expected = ufunc_fold(case, np.dtype(dtype))
         assert (got.view(bits) == expected.view(bits)[0]).all(), (case, got, expected)

@@ -47,7 +47,7 @@ import numpy as np
 from _harness import Checks, run_suite, say
 from test_chaining import recv_dependent_allreduce_then_an_independent_one
 from test_communicators import gathers_with_different_roots
-from test_soft_meeting import one_float_cases
+from test_soft_meeting import one_float_cases, ufunc_fold
 
 import aaccl
 from aaccl import ReduceFunction
@@ -290,9 +290,7 @@ async def one(checks: Checks, accl: aaccl.ACCL) -> None:
         for case in one_float_cases(np.dtype(dtype), size):
             src[0] = case[accl.rank]
             await accl.allreduce(src, dst, 1, SUM)
-            expected = np.array([case[0]], dtype)
-            for value in case[1:]:
-                expected = np.add(expected, np.array([value], dtype))
+            expected = ufunc_fold(case, np.dtype(dtype))
             assert dst.view(bits)[0] == expected.view(bits)[0], (case, dst, expected)
             checks()
 
