@@ -411,7 +411,9 @@ class ACCL:
         finish = None if sync_out is None else sync_out.sync_from_device
         pending = False
         if not call._settled:  # (once settled it stays so: a nop's needs no lock)
-            with self._lock:  # (every call's: its completion runs `_forget` under it)
+            lock = self._lock  # (every call's: its completion runs `_forget` under it;
+            lock.acquire()  # not `with`, whose __exit__ is a call more on every call's path)
+            try:
                 if not call._settled:  # adopted, with its books, in one critical section
                     pending, call.owner, call._finish, call._on_done = True, self, finish, on_done
                     self._outstanding.add(call)
@@ -424,6 +426,8 @@ class ACCL:
                         self._hazard_deps[call], hazards = hazards, ()
                     if sync_out is not None and sync_out.size:  # (what it syncs out once run)
                         self._syncs_out[call] = _span(sync_out, sync_out.size)[0]
+            finally:
+                lock.release()
         if not pending:  # ended on the spot (a nop, the last rank of a meeting, a failure)
             call._ended(self, finish)
             if submitted:  # (its run is traced all the same)

@@ -243,7 +243,8 @@ class Call:
         """The device's outcome (once, any thread): the owner makes it the call's
         error, then waiters wake and callbacks run."""
         lock = self._lock
-        with lock:
+        lock.acquire()  # (not `with`: its __exit__ costs a call on every call's path)
+        try:
             if self._settled:
                 raise RuntimeError("device call completed twice")
             # (`ended`: a trace's end, not when a callback ran)
@@ -268,6 +269,8 @@ class Call:
                     on_done(self)
                 except Exception:  # its own failure: the waiters still wake
                     log.exception("aaccl: bookkeeping of a finished call failed")
+        finally:
+            lock.release()
         if wakers:
             ident = _ident()
             for wake in wakers:
@@ -418,13 +421,17 @@ class Call:
                     loop = running_loop(owner)
                 if poller is None and loop is not None:  # asyncio: the future wakes (`_wake`)
                     future = loop.create_future()
-                    with self._lock:
+                    lock = self._lock
+                    lock.acquire()  # (as in `complete`)
+                    try:
                         waiting = not self._finished
                         if waiting:
                             if self._wakers is None:
                                 self._wakers = [future]
                             else:
                                 self._wakers.append(future)
+                    finally:
+                        lock.release()
                     if waiting:
                         try:
                             yield from future
