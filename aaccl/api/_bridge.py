@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 from ..devices._base import Poller
 
@@ -59,9 +59,9 @@ def answered(poller: Poller, call: Finishes) -> bool:
     return call._finished and time.monotonic() < _next_turn
 
 
-async def wait(register: Register, poller: Poller | None = None,
-               forget: Forget | None = None, call: Finishes | None = None,
-               loop: asyncio.AbstractEventLoop | None = None) -> None:
+def wait(register: Register, poller: Poller | None = None, forget: Forget | None = None,
+         call: Finishes | None = None, loop: asyncio.AbstractEventLoop | None = None
+         ) -> Coroutine[Any, Any, None]:
     """Suspend the current task until the registered `wake` is called from any thread;
     with a `poller`, poll it for a while first: for up to SPIN_FOR without a turn of
     the event loop, then with one between polls, up to POLL_FOR in all. If the task
@@ -73,12 +73,17 @@ async def wait(register: Register, poller: Poller | None = None,
     (whose `_finished` says that the event happened), the spin comes first, before
     `wake` is made and registered: a call that a poll of the spin completes (a small
     collective over MPI) costs no waker at all. `loop`: the running loop of asyncio,
-    if the caller knows it (asyncio's lookup costs a system call)."""
+    if the caller knows it (asyncio's lookup costs a system call). Returns the wait
+    on the loop that runs, to be awaited: no coroutine of its own around it."""
     if loop is None:
         loop = _running_loop()  # (None: trio, where asyncio's own lookup would raise)
         if loop is None:
-            await _wait_trio(register, poller, forget)
-            return
+            return _wait_trio(register, poller, forget)
+    return _wait_asyncio(register, poller, forget, call, loop)
+
+
+async def _wait_asyncio(register: Register, poller: Poller | None, forget: Forget | None,
+                        call: Finishes | None, loop: asyncio.AbstractEventLoop) -> None:
     global _next_turn
     began = 0.0
     if call is not None and poller is not None:
@@ -152,64 +157,83 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-async def _wait_trio(register: Register, poller: Poller | None,
-                     forget: Forget | None) -> None:
-    import trio
+class _TrioWaiter:
+    """A trio task's wait for one event, as one object: `wake` (registered, called
+    from any thread) and `abort` (trio cancels the wait) in place of a closure each.
+    `waiting`: nobody woke it, nor was it cancelled; `parked`: it sleeps in trio's
+    scheduler (a polling task does not: a wake only tells it to stop polling)."""
 
-    global _next_turn
-    task = trio.lowlevel.current_task()
-    token = trio.lowlevel.current_trio_token()
-    home = threading.get_ident()
-    waiting = True
-    parked = poller is None  # while polling, the task is not parked: a wake only says so
+    __slots__ = ("task", "token", "home", "waiting", "parked")
 
-    def resume() -> None:
-        nonlocal waiting, parked
-        if waiting:
-            waiting = False
-            if parked:
-                parked = False
-                trio.lowlevel.reschedule(task)
+    task: Any
+    token: Any
+    home: int
+    waiting: bool
+    parked: bool
 
-    def wake() -> None:
-        if threading.get_ident() == home:
-            resume()
+    def wake(self) -> None:
+        if _ident() == self.home:
+            self.resume()
             return
         try:
-            token.run_sync_soon(resume)
-        except trio.RunFinishedError:
+            self.token.run_sync_soon(self.resume)
+        except _trio.RunFinishedError:
             pass
 
-    def abort(_: object) -> trio.lowlevel.Abort:
-        nonlocal waiting
-        waiting = False
-        return trio.lowlevel.Abort.SUCCEEDED
+    def resume(self) -> None:
+        if self.waiting:
+            self.waiting = False
+            if self.parked:
+                self.parked = False
+                _trio.lowlevel.reschedule(self.task)
 
+    def abort(self, _: object) -> Any:
+        self.waiting = False
+        return _trio.lowlevel.Abort.SUCCEEDED
+
+
+_trio: Any = None  # trio, once a wait ran on it (asyncio's programs never import it)
+_ident = threading.get_ident
+
+
+async def _wait_trio(register: Register, poller: Poller | None,
+                     forget: Forget | None) -> None:
+    global _next_turn, _trio
+    trio = _trio
+    if trio is None:
+        import trio
+        _trio = trio
+    lowlevel = trio.lowlevel
+    waiter = _TrioWaiter()
+    waiter.task, waiter.token, waiter.home = (lowlevel.current_task(),
+                                              lowlevel.current_trio_token(), _ident())
+    waiter.waiting, waiter.parked = True, poller is None
+    wake = waiter.wake
     if not register(wake):  # it happened already (`answered` may have polled it done)
         if poller is not None and time.monotonic() >= _next_turn:  # a polling task's turn
-            await trio.lowlevel.checkpoint()
+            await lowlevel.checkpoint()
             _next_turn = time.monotonic() + TURN_EVERY
         return
     try:
         if poller is not None:
             now = time.monotonic()
             spin_until, until = now + SPIN_FOR, now + POLL_FOR
-            while waiting and now < until:
+            while waiter.waiting and now < until:
                 poller.poll()
                 now = time.monotonic()
-                if waiting:
+                if waiter.waiting:
                     if now < spin_until and now < _next_turn:
                         continue  # spin: no checkpoint between polls
                 elif now < _next_turn:
                     return  # answered, and the loop turned lately
-                await trio.lowlevel.checkpoint()
+                await lowlevel.checkpoint()
                 now = time.monotonic()
                 _next_turn = now + TURN_EVERY
-            if not waiting:
+            if not waiter.waiting:
                 return
-            parked = True
+            waiter.parked = True
             poller.park()
-        await trio.lowlevel.wait_task_rescheduled(abort)
+        await lowlevel.wait_task_rescheduled(waiter.abort)
     except BaseException:
         if forget is not None:
             forget(wake)
