@@ -164,6 +164,7 @@ class MPIFabric:
         self._closed = False
         self._farewells = 0  # peers' last messages, one per control tag each (`close`)
         self._said_farewell = False  # sends nothing more: see `close`
+        self._sending = threading.Lock()  # a send's check of the above, and its start
         self._poll_lock = threading.Lock()  # one poller at a time: arrivals stay in order
         self._polled_at = -math.inf  # when a task last polled (`poll`)
         self._tasks_gone = threading.Event()  # a polling task parked (`park`)
@@ -250,9 +251,16 @@ class MPIFabric:
         self._isend([data, len(data), self._byte], dst, tag, data)
 
     def _isend(self, buf: Any, dst: int, tag: int, keepalive: object) -> None:
-        """Start an MPI send; `keepalive` (what it reads) lives until it completes."""
-        if self._said_farewell or self.buried:  # nobody waits for it (or see `_bury`)
-            return
+        """Start an MPI send; `keepalive` (what it reads) lives until it completes.
+        None once this rank said farewell (`_close`), which it says under the same
+        lock: whatever thread sends, no message of ours follows a farewell (one that
+        did would be received by the peer's next world, see `close`)."""
+        with self._sending:
+            if self._said_farewell or self.buried:  # nobody waits for it (or see `_bury`)
+                return
+            self._start_send(buf, dst, tag, keepalive)
+
+    def _start_send(self, buf: Any, dst: int, tag: int, keepalive: object) -> None:
         try:
             request = self.comm.Isend(buf, dst, tag)
         except _mpi_exception() as error:  # MPI failed (a peer died): this message is lost
@@ -793,11 +801,20 @@ class MPIFabric:
         if self.buried:  # (see `post`): nothing more to say, nobody to wait for
             self._said_farewell = True
         try:
-            for peer in range(self.size if not self.buried else 0):
-                if peer != self.rank:
-                    for tag in (HEADER, ACK, WITHDRAW):
-                        self._send_obj(None, peer, tag)
-            self._said_farewell = True
+            # What this rank's engine was asked before (its "leave" notice, queued
+            # while another thread drained the engine) goes before the farewells,
+            # which then go in one critical section with every other send's start.
+            flushed = threading.Event()
+            self.engine.post(flushed.set)
+            flushed.wait(JOIN_LIMIT)
+            farewell = pickle.dumps(None, protocol=pickle.HIGHEST_PROTOCOL)
+            with self._sending:
+                for peer in range(self.size if not self.buried else 0):
+                    if peer != self.rank:
+                        for tag in (HEADER, ACK, WITHDRAW):
+                            self._start_send([farewell, len(farewell), self._byte], peer,
+                                             tag, farewell)
+                self._said_farewell = True
             expected = 3 * (self.size - 1)
             deadline = math.inf if timeout is None else time.monotonic() + timeout
             while not (done := self._farewells == expected and not self._arriving) \
