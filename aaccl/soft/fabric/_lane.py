@@ -304,7 +304,9 @@ class Lane:
         else:
             if self._opening is None:
                 return None
-            with self._lock:
+            lock = self._lock
+            lock.acquire()  # (not `with`, whose __exit__ is one call more on every poll)
+            try:
                 opening = self._opening
                 if opening is None:
                     return None
@@ -322,6 +324,8 @@ class Lane:
                     came = True
                 else:
                     came = self._test(events, done)
+            finally:
+                lock.release()
         if events:
             if before is not None:
                 before()
@@ -717,7 +721,9 @@ class Op(Matched, Collective):
             return False
         mine = ours[2]
         now = time.monotonic()  # (the opening's spin and the call's deadline count from it)
-        with lane._lock:
+        lock = lane._lock
+        lock.acquire()  # (as in `Lane.poll`: every small collective's)
+        try:
             queue = lane._queue  # (nothing is `stuck` unless an opening is in flight)
             if lane._opening is not None or len(queue) != 1 or queue[0] is not self \
                     or lane._dead_from is not None or lane._ended:
@@ -743,6 +749,8 @@ class Op(Matched, Collective):
                 self.issued, self.turn, self.call, self.ours = True, TAKEN, call, ours
                 lane._opening = (request, self)
                 lane._spin_until = now + OPENING_SPIN
+        finally:
+            lock.release()
         if request is None:  # it waits for its turn: the body's
             lane.start(self, blocks.opening(fp, None if mine is None else mine.tobytes()), None)
             return False

@@ -169,6 +169,7 @@ class MPIFabric:
         self._polled_at = -math.inf  # when a task last polled (`poll`)
         self._tasks_gone = threading.Event()  # a polling task parked (`park`)
         self._busy: Callable[[], bool] = lambda: True  # has this rank's device calls under way?
+        self._before = self._before_end  # (bound once: every poll hands it to the lane)
         from mpi4py import MPI
 
         self._mpi, self._byte, self._status = MPI, MPI.BYTE, MPI.Status()
@@ -288,7 +289,7 @@ class MPIFabric:
             # the lane's collective first (the awaited call's, most often): what must
             # count before its end is taken before its end is told (`_before_end`);
             # `tested` None: nothing was in flight
-            elif tested := lane is not None and lane.poll(self._before_end):
+            elif tested := lane is not None and lane.poll(self._before):
                 came = True
                 if self._fetches:  # (what `_before_end` took may have been waited for)
                     self._fetched()
@@ -301,7 +302,7 @@ class MPIFabric:
                 if message is None and tested is None:
                     message = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
                 elif message is None and lane is not None:
-                    tested = lane.poll(self._before_end)  # the probe made progress: test again
+                    tested = lane.poll(self._before)  # the probe made progress: test again
                 if message is not None:
                     self._take(message, status)
                 if self._arriving:
