@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..devices._base import Poller
@@ -59,9 +59,9 @@ def answered(poller: Poller, call: Finishes) -> bool:
     return call._finished and time.monotonic() < _next_turn
 
 
-def wait(register: Register, poller: Poller | None = None, forget: Forget | None = None,
-         call: Finishes | None = None, loop: asyncio.AbstractEventLoop | None = None
-         ) -> Coroutine[Any, Any, None]:
+async def wait(register: Register, poller: Poller | None = None,
+               forget: Forget | None = None, call: Finishes | None = None,
+               loop: asyncio.AbstractEventLoop | None = None) -> None:
     """Suspend the current task until the registered `wake` is called from any thread;
     with a `poller`, poll it for a while first: for up to SPIN_FOR without a turn of
     the event loop, then with one between polls, up to POLL_FOR in all. If the task
@@ -73,17 +73,14 @@ def wait(register: Register, poller: Poller | None = None, forget: Forget | None
     (whose `_finished` says that the event happened), the spin comes first, before
     `wake` is made and registered: a call that a poll of the spin completes (a small
     collective over MPI) costs no waker at all. `loop`: the running loop of asyncio,
-    if the caller knows it (asyncio's lookup costs a system call). Returns the wait
-    on the loop that runs, to be awaited: no coroutine of its own around it."""
+    if the caller knows it (asyncio's lookup costs a system call). (One coroutine on
+    asyncio: tests/mpi/budget.py counts a wait's calls where a first poll did not
+    answer.)"""
     if loop is None:
         loop = _running_loop()  # (None: trio, where asyncio's own lookup would raise)
         if loop is None:
-            return _wait_trio(register, poller, forget)
-    return _wait_asyncio(register, poller, forget, call, loop)
-
-
-async def _wait_asyncio(register: Register, poller: Poller | None, forget: Forget | None,
-                        call: Finishes | None, loop: asyncio.AbstractEventLoop) -> None:
+            await _wait_trio(register, poller, forget)
+            return
     global _next_turn
     began = 0.0
     if call is not None and poller is not None:
