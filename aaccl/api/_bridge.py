@@ -47,6 +47,8 @@ unless the loop has not turned for this many seconds: the other tasks still run,
 a timeout or cancel scope around a loop of such calls still fires."""
 _next_turn = 0.0  # (monotonic) when a polling task next lets the loop turn
 _running_loop = asyncio._get_running_loop  # (None outside asyncio: no exception to raise)
+_ident = threading.get_ident
+_trio: Any = None  # trio, once a wait ran on it (asyncio's programs never import it)
 
 
 def answered(poller: Poller, call: Finishes) -> bool:
@@ -187,10 +189,6 @@ class _TrioWaiter:
     def abort(self, _: object) -> Any:
         self.waiting = False
         return _trio.lowlevel.Abort.SUCCEEDED
-
-
-_trio: Any = None  # trio, once a wait ran on it (asyncio's programs never import it)
-_ident = threading.get_ident
 
 
 async def _wait_trio(register: Register, poller: Poller | None,

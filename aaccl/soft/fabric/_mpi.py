@@ -164,7 +164,7 @@ class MPIFabric:
         self._closed = False
         self._farewells = 0  # peers' last messages, one per control tag each (`close`)
         self._said_farewell = False  # sends nothing more: see `close`
-        self._sending = threading.Lock()  # a send's check of the above, and its start
+        self._sending = threading.RLock()  # a send's check of the above, and its start
         self._poll_lock = threading.Lock()  # one poller at a time: arrivals stay in order
         self._polled_at = -math.inf  # when a task last polled (`poll`)
         self._tasks_gone = threading.Event()  # a polling task parked (`park`)
@@ -259,14 +259,11 @@ class MPIFabric:
         with self._sending:
             if self._said_farewell or self.buried:  # nobody waits for it (or see `_bury`)
                 return
-            self._start_send(buf, dst, tag, keepalive)
-
-    def _start_send(self, buf: Any, dst: int, tag: int, keepalive: object) -> None:
-        try:
-            request = self.comm.Isend(buf, dst, tag)
-        except _mpi_exception() as error:  # MPI failed (a peer died): this message is lost
-            self._mpi_error(error)
-            return
+            try:
+                request = self.comm.Isend(buf, dst, tag)
+            except _mpi_exception() as error:  # MPI failed (a peer died): it is lost
+                self._mpi_error(error)
+                return
         with self._lock:
             self._in_flight.append((request, keepalive))
 
@@ -808,13 +805,11 @@ class MPIFabric:
             flushed = threading.Event()
             self.engine.post(flushed.set)
             flushed.wait(JOIN_LIMIT)
-            farewell = pickle.dumps(None, protocol=pickle.HIGHEST_PROTOCOL)
-            with self._sending:
+            with self._sending:  # (reentrant: the farewells' own sends take it too)
                 for peer in range(self.size if not self.buried else 0):
                     if peer != self.rank:
                         for tag in (HEADER, ACK, WITHDRAW):
-                            self._start_send([farewell, len(farewell), self._byte], peer,
-                                             tag, farewell)
+                            self._send_obj(None, peer, tag)
                 self._said_farewell = True
             expected = 3 * (self.size - 1)
             deadline = math.inf if timeout is None else time.monotonic() + timeout
