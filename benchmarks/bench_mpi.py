@@ -31,6 +31,12 @@ each of them at 4 bytes (count=1) and at `--size-mib` MiB (default 16), and with
 `--sweep` at the sizes between (256 B, 4 KiB, 64 KiB, 1 MiB); `--plot` draws latency
 against size for each process count (matplotlib: `pip install 'aaccl[plot]'`).
 
+`--cold-mib M` has every process stream M MiB of memory of its own (a numpy sum)
+before each iteration of every side, outside the timed interval: a program's own data
+between its calls evicts the caches, and a call's cost then includes fetching its code
+and objects again. The targets are set with warm caches, so its verdicts are for
+information; it shows what a small call costs inside a program that works on big data.
+
 Every iteration starts after an MPI Barrier on COMM_WORLD; its time is the latest
 rank's return minus the earliest rank's entry (time.perf_counter is CLOCK_MONOTONIC,
 one clock for every process of the machine), so it covers the whole collective on
@@ -115,8 +121,16 @@ class Timer:
     """Barrier-separated iterations, each timed from the earliest rank's start to the
     latest rank's end; only rank 0 keeps the spans."""
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Any, cold_mib: float = 0) -> None:
         self.comm, self.rank = comm, comm.Get_rank()
+        self._flush = np.ones(int(cold_mib * MiB) // 4, np.float32) if cold_mib else None
+
+    def barrier(self, comm: Any = None) -> None:
+        """Before an iteration: stream `--cold-mib` MiB through the caches (if asked),
+        then wait for every rank (on `comm`, the timer's if None)."""
+        if self._flush is not None:
+            self._flush.sum()
+        (comm or self.comm).Barrier()
 
     def span(self, start: float, end: float) -> Span | None:
         """On rank 0: (latest end - earliest start, how far apart the starts were);
@@ -142,7 +156,7 @@ def mpi_side(timer: Timer, src: np.ndarray, dst: np.ndarray, iters: int,
 
     comm, spans = timer.comm, []
     for i in range(warmup + iters):
-        comm.Barrier()
+        timer.barrier()
         start = time.perf_counter()
         comm.Allreduce(src, dst, op=MPI.SUM)
         end = time.perf_counter()
@@ -187,7 +201,7 @@ async def floor_side(timer: Timer, src: np.ndarray, dst: np.ndarray, iters: int,
         opening = None
 
     for i in range(warmup + iters):
-        comm.Barrier()
+        timer.barrier(comm)
         start = time.perf_counter()
         if opening is not None:
             opening.Start()
@@ -240,7 +254,7 @@ async def _aaccl_world(timer: Timer, counts: dict[str, int], iters: dict[str, in
                         skip: int) -> list[Span]:
             spans = []
             for i in range(skip + n):
-                comm.Barrier()
+                timer.barrier()
                 start = time.perf_counter()
                 await call()
                 end = time.perf_counter()
@@ -271,12 +285,13 @@ async def _aaccl_world(timer: Timer, counts: dict[str, int], iters: dict[str, in
     return correct
 
 
-def mpi_worker(counts: dict[str, int], iters: dict[str, int], warmup: int) -> None:
+def mpi_worker(counts: dict[str, int], iters: dict[str, int], warmup: int,
+               cold_mib: float = 0) -> None:
     """Runs in each of the mpiexec processes; rank 0 prints one line of JSON."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    timer = Timer(comm)
+    timer = Timer(comm, cold_mib)
     size, rank = comm.Get_size(), comm.Get_rank()
     expected = size * (size + 1) / 2
     bufs = {name: (np.full(count, rank + 1, np.float32), np.zeros(count, np.float32))
@@ -319,7 +334,8 @@ def run_procs(args: argparse.Namespace, procs: int, counts: dict[str, int],
     cmd = [mpiexec, *hosts, "-n", str(procs), sys.executable, os.path.abspath(__file__),
            "--mpi-worker", "--count", str(counts["large"]), "--iters", str(iters["large"]),
            "--small-iters", str(iters["small"]), "--warmup", str(warmup),
-           *(["--sweep"] if len(counts) > 2 else [])]
+           *(["--sweep"] if len(counts) > 2 else []),
+           *(["--cold-mib", str(args.cold_mib)] if args.cold_mib else [])]
     result = run_mpiexec(cmd, args.mpi_timeout, None if cluster is None else cluster.env)
     result["command"] = " ".join(cmd)
     return result
@@ -409,6 +425,7 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
                 binding = (side == "aaccl_device" and name == "large" and not hosts
                            and cfg["size_mib"] == TARGET_SIZE_MIB)
                 binding = binding or (side == "aaccl_device" and name == "small" and not hosts)
+                binding = binding and not cfg.get("cold_mib")  # (targets: warm caches)
                 judged = side == "aaccl_device" and name in ("small", "large")
                 goal = TARGET_RATIO if name == "large" else LATENCY_RATIO
                 rows.append({"procs": procs, "where": where(run), "size": name, "bytes": nbytes, "side": side,
@@ -480,6 +497,10 @@ def print_table(results: dict[str, Any], rows: list[dict[str, Any]]) -> None:
               f"{fmt_time(row['time_s']):>10}{_fmt_bw(row['algbw_GBps']):>12}"
               f"{_fmt_bw(row['busbw_GBps']):>12}{ratio:>14}{tail}".rstrip())
     print()
+    if cfg.get("cold_mib"):
+        print(f"caches cold: every process streamed {cfg['cold_mib']:g} MiB of other memory "
+              "before each iteration (untimed); the targets are set with warm caches, so "
+              "these verdicts are for information only")
     if cfg["size_mib"] != TARGET_SIZE_MIB:
         print(f"the target is set at {TARGET_SIZE_MIB} MiB: at {cfg['size_mib']:g} MiB its "
               "verdicts are for information only")
@@ -521,6 +542,9 @@ def print_table(results: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     if cfg["cpus"] and any(run.get("procs", 0) > cfg["cpus"] for run in results["runs"]):
         print(f"note: more processes than the {cfg['cpus']} CPUs: MPICH busy-polls and aaccl "
               "adds a progress thread per process, so both sides are oversubscribed")
+        if cfg.get("cold_mib"):
+            print("note: with --cold-mib and more processes than CPUs, the times are mostly "
+                  "which process the scheduler runs first after its flush")
 
 
 def main() -> int:
@@ -535,6 +559,10 @@ def main() -> int:
     parser.add_argument("--small-iters", type=int, default=None,
                         help="timed iterations at 4 B (default 300, --quick: 50)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations of each")
+    parser.add_argument("--cold-mib", type=float, default=0, metavar="M",
+                        help="stream M MiB of other memory before each iteration (caches "
+                             "cold, as in a program working on big data; verdicts for "
+                             "information)")
     parser.add_argument("--sweep", action="store_true",
                         help="also 256 B, 4 KiB, 64 KiB and 1 MiB")
     parser.add_argument("--plot", metavar="PNG",
@@ -562,7 +590,7 @@ def main() -> int:
     warmup = max(1, args.warmup)
 
     if args.mpi_worker:
-        mpi_worker(counts, iters, warmup)
+        mpi_worker(counts, iters, warmup, args.cold_mib)
         return 0
 
     procs = [int(p) for p in args.procs.split(",") if p.strip()]
@@ -570,7 +598,7 @@ def main() -> int:
               "bytes": {name: 4 * c for name, c in counts.items()}, "iters": iters,
               "warmup": warmup, "procs": procs, "cpus": os.cpu_count(),
               "python": platform.python_version(), "numpy": np.__version__, "quick": quick,
-              "busy_cpus_at_start": busy_cpus(),
+              "busy_cpus_at_start": busy_cpus(), "cold_mib": args.cold_mib,
               "hosts": [f"{h}x{s}" for h, s in args.hosts], "net_rate": args.net_rate,
               "net_delay": args.net_delay}
     mpiexec, why = find_mpiexec()

@@ -37,15 +37,20 @@ def _mpich_segments_reaped() -> object:
 
 
 def _script_module(folder: str, name: str) -> ModuleType:
-    """FOLDER/NAME.py of this repository, loaded once (the folder is no package)."""
+    """FOLDER/NAME.py of this repository, loaded once (the folder is no package; the
+    script imports its siblings, `_common` say, from the folder, as when it runs)."""
     key = f"aaccl_{folder}_{name}"
     if key not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / folder / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(key, path)
+        where = Path(__file__).resolve().parents[1] / folder
+        spec = importlib.util.spec_from_file_location(key, where / f"{name}.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[key] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)
+        sys.path.insert(0, str(where))
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            sys.path.remove(str(where))
     return sys.modules[key]
 
 
