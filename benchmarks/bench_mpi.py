@@ -64,6 +64,7 @@ import argparse
 import asyncio
 import gc
 import json
+import math
 import os
 import platform
 import sys
@@ -384,6 +385,17 @@ def run_hosts(args: argparse.Namespace, counts: dict[str, int], iters: dict[str,
     return runs
 
 
+def cold_mib(text: str) -> float:
+    """--cold-mib: MiB a process streams before each iteration, finite and >= 0."""
+    try:
+        mib = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is no number of MiB") from None
+    if not math.isfinite(mib) or mib < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 0 (caches warm) or more MiB")
+    return mib
+
+
 def net_rate(text: str) -> str:
     if text:
         try:
@@ -559,7 +571,7 @@ def main() -> int:
     parser.add_argument("--small-iters", type=int, default=None,
                         help="timed iterations at 4 B (default 300, --quick: 50)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations of each")
-    parser.add_argument("--cold-mib", type=float, default=0, metavar="M",
+    parser.add_argument("--cold-mib", type=cold_mib, default=0, metavar="M",
                         help="stream M MiB of other memory before each iteration (caches "
                              "cold, as in a program working on big data; verdicts for "
                              "information)")
@@ -594,6 +606,12 @@ def main() -> int:
         return 0
 
     procs = [int(p) for p in args.procs.split(",") if p.strip()]
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    flushing = args.cold_mib * MiB * max(procs + [h * r for h, r in args.hosts], default=0)
+    if flushing > memory / 2:
+        parser.error(f"--cold-mib {args.cold_mib:g}: {flushing / 2**30:.1f} GiB for every "
+                     f"process's array, more than half of this machine's "
+                     f"{memory / 2**30:.1f} GiB")
     config = {"size_mib": counts["large"] * 4 / MiB, "counts": counts,
               "bytes": {name: 4 * c for name, c in counts.items()}, "iters": iters,
               "warmup": warmup, "procs": procs, "cpus": os.cpu_count(),

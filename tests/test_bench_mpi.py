@@ -4,8 +4,10 @@ are not tested: a timed unit test is noise on a shared machine."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
+import pytest
 from conftest import benchmark_module
 
 bench_mpi = benchmark_module("bench_mpi")
@@ -50,3 +52,10 @@ def test_only_warm_runs_are_judged_against_the_targets() -> None:
     assert binding(32) == []
     judged = [row for row in bench_mpi.evaluate(_results(32)) if row["judged"]]
     assert len(judged) == 2 and all(row["pass"] is not None for row in judged)  # (info)
+
+
+def test_nonsense_cold_sizes_are_refused_before_anything_runs() -> None:
+    assert bench_mpi.cold_mib("0") == 0 and bench_mpi.cold_mib("2.5") == 2.5
+    for text in ("-1", "abc", "nan", "inf", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="MiB"):
+            bench_mpi.cold_mib(text)
