@@ -100,7 +100,7 @@ async def wait(register: Register, poller: Poller | None = None,
                 await asyncio.sleep(0)
                 _next_turn = time.monotonic() + TURN_EVERY
             return
-    home = threading.get_ident()
+    home = _ident()
     woke = False
     future: asyncio.Future[None] | None = None
 
@@ -110,7 +110,7 @@ async def wait(register: Register, poller: Poller | None = None,
         waiting = future  # (set before the task reads `woke` again: see below)
         if waiting is not None:
             try:
-                if threading.get_ident() == home:
+                if _ident() == home:
                     _resolve(waiting)
                 else:
                     loop.call_soon_threadsafe(_resolve, waiting)
