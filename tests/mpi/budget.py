@@ -1,15 +1,23 @@
 """The Python calls of one small allreduce over MPI, counted (tests/test_call_budget.py):
 
-    mpiexec -n N python tests/mpi/budget.py allreduce
-    mpiexec -n N python tests/mpi/budget.py lines
-    mpiexec -n N python tests/mpi/budget.py pieces
+    mpiexec -n 2 python tests/mpi/budget.py allreduce
+    mpiexec -n 2 python tests/mpi/budget.py lines
+    mpiexec -n 2 python tests/mpi/budget.py pieces
 
 Each rank counts, with sys.setprofile, the Python function calls of its part of one
 1-element float32 allreduce on device-resident buffers (asyncio), averaged over
-TIMES calls after a warm-up, and prints `budget rank=R calls=C`. `lines` counts the
+TIMES calls after a warm-up, and prints `budget rank=R calls=C waited=W`. An await
+goes one of two ways, and each is counted in an order of the ranks that makes it
+certain, so that the counts do not depend on which rank the machine happens to run
+first: `calls`, when the peer's part is in by the await's first poll (the ranks meet
+between submitting and awaiting, uncounted), the common small collective's whole wait;
+`waited`, when it is not (the peer submits only once this rank's first poll found
+nothing, told by a message outside aaccl, uncounted), which adds the wait that polls
+on. (Counted as they came, the average of the two ways moved from run to run with the
+share of calls whose peer was late, between 27.1 and 28.1.) `lines` counts the
 Python lines it runs instead (sys.settrace), by the same rules, and prints
 `budget rank=R lines=L` (aaccl's own, and all), then the functions that run most.
-`pieces` counts, by the same rules as `allreduce`, what a small collective is made
+`pieces` counts, by the same rules as `calls`, what a small collective is made
 of: the lane's objects (`Op`), the engine's events (`Engine.post`) and the bodies
 that run (`Op.run`), and prints `budget rank=R ops=O posts=P bodies=B`.
 
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -34,6 +43,7 @@ from _harness import Checks, run_suite, say
 import aaccl
 from aaccl import ReduceFunction
 from aaccl.api import _bridge
+from aaccl.api._accl import ACCL
 from aaccl.soft.fabric import _mpi
 from aaccl.soft._engine import Engine
 from aaccl.soft.fabric._lane import Lane, Op
@@ -60,13 +70,60 @@ async def _count(check: Checks, accl: aaccl.ACCL, lines: bool, pieces: bool = Fa
     src[:] = accl.rank + 1
     src.sync_to_device()
 
+    from mpi4py import MPI
+
+    side = MPI.COMM_WORLD.Dup()  # (the ranks' meetings outside aaccl, uncounted)
+    assert accl.size == 2, f"the budget is counted on 2 ranks, not {accl.size}"
+    peer = 1 - accl.rank
+    counting: Callable[..., Any] | None = None  # the profiler or tracer, while counting
+
+    def pause() -> None:
+        sys.setprofile(None)
+        sys.settrace(None)
+
+    def resume() -> None:
+        if counting is profile:
+            sys.setprofile(profile)
+        elif counting is not None:
+            sys.settrace(counting)
+
     async def step() -> None:
         await accl.allreduce(src, dst, 1, ReduceFunction.SUM, from_fpga=True, to_fpga=True)
+
+    async def answered_step() -> None:
+        """Both ranks' parts are in before either awaits: the first poll answers."""
+        call = accl.allreduce(src, dst, 1, ReduceFunction.SUM, from_fpga=True, to_fpga=True)
+        pause()
+        side.Barrier()
+        resume()
+        await call
+
+    first_poll = ACCL._answered
+
+    def told(poller: Any, call: Any) -> bool:  # (not counted: see `vain`)
+        found = first_poll(poller, call)
+        pause()
+        side.Send([b"", MPI.BYTE], peer)  # our first poll is over: the peer may come
+        resume()
+        return found
+
+    async def waited_step(early: bool) -> None:
+        """The peer submits only once our first poll found nothing (`early`), or we
+        submit once the peer's did: the early rank's await polls on."""
+        if not early:
+            pause()
+            side.Recv([bytearray(0), MPI.BYTE], peer)
+            resume()
+        ACCL._answered = staticmethod(told if early else first_poll)  # type: ignore[assignment]
+        try:
+            await accl.allreduce(src, dst, 1, ReduceFunction.SUM, from_fpga=True, to_fpga=True)
+        finally:
+            ACCL._answered = staticmethod(first_poll)  # type: ignore[assignment]
 
     for _ in range(WARMUP):
         await step()
     poll = _mpi.MPIFabric.poll
-    vain = {poll.__code__, Lane.poll.__code__}
+    vain = {poll.__code__, Lane.poll.__code__, told.__code__, pause.__code__}
     calls = 0
     ran: Counter[tuple[str, str]] = Counter()  # lines run, by (file, function)
     made: Counter[Any] = Counter()  # `pieces`: calls of these functions
@@ -109,18 +166,30 @@ async def _count(check: Checks, accl: aaccl.ACCL, lines: bool, pieces: bool = Fa
     saved = [getattr(module, name) for module, name in knobs]
     for module, name in knobs:
         setattr(module, name, 3600.0)
-    if lines:
-        sys.settrace(trace)
-    else:
-        sys.setprofile(profile)
+    waited = 0.0
     try:
+        for i in range(WARMUP // 10):  # (the knobs' first turn of the loop, uncounted)
+            await answered_step()
+            await waited_step(early=i % 2 == accl.rank)
+        counting = trace if lines else profile
+        resume()
         for _ in range(TIMES):
-            await step()
+            await answered_step()
+        pause()
+        if not lines and not pieces:  # the other way, on the steps where we are early
+            answered, calls = calls, 0
+            for i in range(2 * TIMES):
+                early = i % 2 == accl.rank
+                counting = profile if early else None
+                resume()
+                await waited_step(early)
+                pause()
+            waited, calls = calls / TIMES, answered
     finally:
-        sys.settrace(None)
-        sys.setprofile(None)
+        pause()
         for (module, name), value in zip(knobs, saved):
             setattr(module, name, value)  # (the progress thread must close the world)
+        side.Free()
     dst.sync_from_device()
     assert dst[0] == accl.size * (accl.size + 1) // 2, dst[0]
     check()
@@ -130,7 +199,7 @@ async def _count(check: Checks, accl: aaccl.ACCL, lines: bool, pieces: bool = Fa
         say(f"budget rank={accl.rank} ops={ops:.2f} posts={posts:.2f} bodies={bodies:.2f}")
         return ops
     if not lines:
-        say(f"budget rank={accl.rank} calls={calls / TIMES:.2f}")
+        say(f"budget rank={accl.rank} calls={calls / TIMES:.2f} waited={waited:.2f}")
         return calls / TIMES
     own = sum(n for (path, _), n in ran.items() if "/aaccl/" in path)
     report = [f"budget rank={accl.rank} lines={own / TIMES:.2f} "
