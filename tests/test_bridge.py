@@ -237,3 +237,44 @@ async def test_cancelling_a_waiting_task_leaves_a_later_wake_harmless(while_: st
             await _bridge.wait(later.register, Poller(later, answer_at=2))
     finally:
         _bridge.POLL_FOR = before
+
+
+def test_a_trio_task_is_woken_from_another_thread_in_every_run() -> None:
+    """A trio task's wait keeps its run's token in its context (a wake from another
+    thread goes through it): a later run in the same thread, a child task, and a run
+    started in another thread with a copy of the task's context (which trio's
+    `to_thread` and anyio's make) must each be woken through their own run's, never
+    another run's (a finished run's wake is lost, a live one's goes astray)."""
+    trio = pytest.importorskip("trio")
+
+    async def woken_from_a_thread() -> None:
+        event = Event()
+        registered = threading.Event()
+
+        def register(wake: Callable[[], None]) -> bool:
+            waiting = event.register(wake)
+            registered.set()
+            return waiting
+
+        def device_thread() -> None:
+            registered.wait(10)
+            event.fire()
+
+        thread = threading.Thread(target=device_thread)
+        thread.start()
+        with trio.fail_after(10):
+            await _bridge.wait_trio(register)
+        thread.join()
+        assert event.happened
+
+    async def run(depth: int) -> None:
+        for _ in range(2):  # its first wait looks the token up, the second keeps it
+            await woken_from_a_thread()
+        async with trio.open_nursery() as nursery:  # a child, in a copy of its context
+            nursery.start_soon(woken_from_a_thread)
+        if depth:  # a run in a thread that has a copy of this task's context
+            await trio.to_thread.run_sync(trio.run, run, depth - 1)
+
+    for _ in range(3):
+        trio.run(run, 1)
+

@@ -19,7 +19,6 @@ from .._constants import (GLOBAL_COMM, SUPPORTED_DTYPES, TAG_ANY, ReduceFunction
 from .._errors import DependencyError
 from .._threads import quietly
 from ..devices import Device, DeviceCall
-from ..devices._call import running_loop
 from ..driver import Driver
 from . import _bridge
 from . import _checks as check
@@ -438,9 +437,10 @@ class ACCL:
         if comm_id is not None and scenario is not _SEND and scenario is not _RECV:
             # a collective: which task issues it, against the last one on its order
             loop: Any = self._loop  # (`running_loop`, its common case in one line)
-            if loop is None or loop._thread_id != _ident():
-                loop = running_loop(self)
-            task = asyncio_task(loop) if loop is not None else current_task()
+            if loop is not None and loop._thread_id == _ident():
+                task = asyncio_task(loop)
+            else:  # (trio's task, another loop's, a thread)
+                task = current_task(self)
             order = self._orders.get(comm_id) or self._message_order(comm_id)
             if order.task is not task:  # (or the order's first collective: nobody's last)
                 before = order.last()  # (None: dropped, so ended and never to be seen)
@@ -549,6 +549,7 @@ class ACCL:
     _outcome = staticmethod(outcome)  # (what a call's device outcome means: Call's owner)
 
     _wait = staticmethod(_bridge.wait)  # (how a Call waits where asyncio's future cannot)
+    _wait_trio = staticmethod(_bridge.wait_trio)  # (... and where no asyncio loop runs)
     _answered = staticmethod(_bridge.answered)  # (an await's first poll, with a poller)
 
     def _forget(self, call: Call) -> None:

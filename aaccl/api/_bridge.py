@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any, Protocol
 
 from ..devices._base import Poller
@@ -49,6 +51,12 @@ _next_turn = 0.0  # (monotonic) when a polling task next lets the loop turn
 _running_loop = asyncio._get_running_loop  # (None outside asyncio: no exception to raise)
 _ident = threading.get_ident
 _trio: Any = None  # trio, once a wait ran on it (asyncio's programs never import it)
+_token: ContextVar[tuple[Callable[[], Any], Any]] = ContextVar("aaccl_trio_token")
+"""(a weak reference to a trio task, the token of its run), kept in the task's
+context so that its next wait costs no lookup (a wake from another thread goes
+through the token). Only the task that set it uses it: a context is copied to child
+tasks, and to other threads (`anyio.to_thread.run_sync`), where another run may
+start in it."""
 
 
 def answered(poller: Poller, call: Finishes) -> bool:
@@ -81,7 +89,7 @@ async def wait(register: Register, poller: Poller | None = None,
     if loop is None:
         loop = _running_loop()  # (None: trio, where asyncio's own lookup would raise)
         if loop is None:
-            await _wait_trio(register, poller, forget)
+            await wait_trio(register, poller, forget)
             return
     global _next_turn
     began = 0.0
@@ -174,7 +182,7 @@ class _TrioWaiter:
         if _ident() == self.home:
             self.resume()
             return
-        try:
+        try:  # (trio's thread-safe entry: `resume` runs in the run's own thread)
             self.token.run_sync_soon(self.resume)
         except _trio.RunFinishedError:
             pass
@@ -191,8 +199,9 @@ class _TrioWaiter:
         return _trio.lowlevel.Abort.SUCCEEDED
 
 
-async def _wait_trio(register: Register, poller: Poller | None,
-                     forget: Forget | None) -> None:
+async def wait_trio(register: Register, poller: Poller | None = None,
+                    forget: Forget | None = None) -> None:
+    """`wait` on trio (where no asyncio loop runs)."""
     global _next_turn, _trio
     trio = _trio
     if trio is None:
@@ -200,8 +209,14 @@ async def _wait_trio(register: Register, poller: Poller | None,
         _trio = trio
     lowlevel = trio.lowlevel
     waiter = _TrioWaiter()
-    waiter.task, waiter.token, waiter.home = (lowlevel.current_task(),
-                                              lowlevel.current_trio_token(), _ident())
+    task = lowlevel.current_task()
+    kept = _token.get(None)
+    if kept is not None and kept[0]() is task:
+        token = kept[1]
+    else:  # the task's first wait (what its context holds is another task's, if any)
+        token = lowlevel.current_trio_token()
+        _token.set((weakref.ref(task), token))
+    waiter.task, waiter.token, waiter.home = task, token, _ident()
     waiter.waiting, waiter.parked = True, poller is None
     wake = waiter.wake
     if not register(wake):  # it happened already (`answered` may have polled it done)

@@ -25,7 +25,10 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..devices._call import Owner, running_loop
 from ._call import warn_at
+
+_running_loop = asyncio._get_running_loop  # (None outside asyncio: no exception to raise)
 
 if TYPE_CHECKING:
     from ._call import Call
@@ -37,9 +40,14 @@ except ImportError:  # pragma: no cover  (Pythons that keep it elsewhere)
     asyncio_task = asyncio.current_task
 
 
-def current_task() -> object:
-    """The task issuing a call when no asyncio loop runs in this thread: trio's task,
-    or else the thread itself (aaccl.compat: pyaccl's one thread per rank)."""
+def current_task(owner: Owner) -> object:
+    """The task issuing a call of `owner` where the asyncio loop it last ran on
+    (`running_loop`) is not this thread's: another loop's task, trio's task, or else
+    the thread itself (aaccl.compat: pyaccl's one thread per rank)."""
+    if _running_loop() is not None:
+        loop = running_loop(owner)  # (kept: the next call finds it in line)
+        if loop is not None:
+            return asyncio_task(loop)
     trio = sys.modules.get("trio")
     if trio is not None:
         try:

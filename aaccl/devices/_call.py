@@ -104,6 +104,10 @@ class Owner(Protocol):
     that returns once `call` finished. (A function, not a method: no frame of the
     owner's between an await and its wait.)"""
 
+    _wait_trio: Callable[..., Any]
+    """`aaccl.api._bridge.wait_trio`: `_wait` where no asyncio loop runs (trio), as
+    `_wait_trio(call._register, poller, call._forget)`."""
+
     _answered: Callable[..., bool]
     """`aaccl.api._bridge.answered`: poll once; True if that finished the call and the
     event loop need not turn yet (then the task awaiting it, on asyncio or trio, goes
@@ -418,7 +422,9 @@ class Call:
             try:
                 poller, loop = owner._poller, owner._loop  # (`running_loop`, its common case)
                 if loop is None or loop._thread_id != _ident():  # type: ignore[attr-defined]
-                    loop = running_loop(owner)
+                    loop = _running_loop()  # (None on trio: no Python call to find that)
+                    if loop is not None:
+                        loop = running_loop(owner)  # asyncio's: kept for the next call
                 if poller is None and loop is not None:  # asyncio: the future wakes (`_wake`)
                     future = loop.create_future()
                     lock = self._lock
@@ -441,7 +447,11 @@ class Call:
                 elif poller is None or not owner._answered(poller, self):
                     # trio, or a device to poll while waiting (MPI) that a first poll
                     # did not answer
-                    until_done = owner._wait(self._register, poller, self._forget, self, loop)
+                    if loop is None:
+                        until_done = owner._wait_trio(self._register, poller, self._forget)
+                    else:
+                        until_done = owner._wait(self._register, poller, self._forget, self,
+                                                 loop)
                     yield from until_done.__await__()
             except BaseException:
                 self._given_up = not self._finished  # cancelled: see ACCL._settle
