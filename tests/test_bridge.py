@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import pytest
@@ -278,3 +279,44 @@ def test_a_trio_task_is_woken_from_another_thread_in_every_run() -> None:
     for _ in range(3):
         trio.run(run, 1)
 
+
+def test_trio_as_the_guest_of_an_asyncio_loop_waits_as_trio() -> None:
+    """Under `trio.lowlevel.start_guest_run` an asyncio loop runs in the thread too
+    (trio's steps run in its callbacks, outside its tasks): a call's await must still
+    wait the trio way, and a wait that suspends must not hand trio an asyncio future."""
+    import asyncio
+
+    import numpy as np
+
+    import aaccl
+
+    trio = pytest.importorskip("trio")
+    trio_testing = pytest.importorskip("trio.testing")
+
+    async def guest() -> list[float]:
+        async with aaccl.open_world(2, timeout=30) as accls:
+            bufs = [accl.allocate(8, np.float32) for accl in accls]
+            for accl, buf in zip(accls, bufs):
+                buf[:] = accl.rank + 1
+            waited = []
+
+            async def first() -> None:  # waits: rank 1 has not called yet
+                call = accls[0].allreduce(bufs[0], bufs[0], 8, aaccl.ReduceFunction.SUM)
+                waited.append(call.done())
+                await call
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(first)
+                await trio_testing.wait_all_tasks_blocked()
+                await accls[1].allreduce(bufs[1], bufs[1], 8, aaccl.ReduceFunction.SUM)
+            assert waited == [False]
+            return [float(buf[0]) for buf in bufs]
+
+    async def host() -> list[float]:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+        trio.lowlevel.start_guest_run(guest, run_sync_soon_threadsafe=loop.call_soon_threadsafe,
+                                      done_callback=done.set_result)
+        return (await done).unwrap()  # type: ignore[no-any-return]
+
+    assert asyncio.run(host()) == [3.0, 3.0]

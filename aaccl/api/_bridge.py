@@ -18,6 +18,7 @@ from contextvars import ContextVar
 from typing import Any, Protocol
 
 from ..devices._base import Poller
+from ..devices._call import asyncio_loop
 
 Register = Callable[[Callable[[], None]], bool]
 """Registers `wake`; returns False (and never calls it) if the event already happened."""
@@ -48,7 +49,6 @@ turn costs more than the rest of a small call's wait), and one that spins spins 
 unless the loop has not turned for this many seconds: the other tasks still run, and
 a timeout or cancel scope around a loop of such calls still fires."""
 _next_turn = 0.0  # (monotonic) when a polling task next lets the loop turn
-_running_loop = asyncio._get_running_loop  # (None outside asyncio: no exception to raise)
 _ident = threading.get_ident
 _trio: Any = None  # trio, once a wait ran on it (asyncio's programs never import it)
 _token: ContextVar[tuple[Callable[[], Any], Any]] = ContextVar("aaccl_trio_token")
@@ -87,7 +87,7 @@ async def wait(register: Register, poller: Poller | None = None,
     asyncio: tests/mpi/budget.py counts a wait's calls where a first poll did not
     answer.)"""
     if loop is None:
-        loop = _running_loop()  # (None: trio, where asyncio's own lookup would raise)
+        loop = asyncio_loop()  # (None: trio, where asyncio's own lookup would raise)
         if loop is None:
             await wait_trio(register, poller, forget)
             return

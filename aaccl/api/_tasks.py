@@ -25,19 +25,13 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..devices._call import Owner, running_loop
+from ..devices._call import Owner, asyncio_task, running_loop
 from ._call import warn_at
 
 _running_loop = asyncio._get_running_loop  # (None outside asyncio: no exception to raise)
 
 if TYPE_CHECKING:
     from ._call import Call
-
-try:  # the running task of a loop, without a Python call (asyncio.current_task is one)
-    from asyncio.tasks import _current_tasks  # type: ignore[attr-defined]
-    asyncio_task = _current_tasks.get
-except ImportError:  # pragma: no cover  (Pythons that keep it elsewhere)
-    asyncio_task = asyncio.current_task
 
 
 def current_task(owner: Owner) -> object:

@@ -114,8 +114,23 @@ class Owner(Protocol):
     on with no wait at all: over MPI, the common small collective)."""
 
 
+try:  # the running task of a loop, without a Python call (asyncio.current_task is one)
+    from asyncio.tasks import _current_tasks  # type: ignore[attr-defined]
+    asyncio_task = _current_tasks.get
+except ImportError:  # pragma: no cover  (Pythons that keep it elsewhere)
+    asyncio_task = asyncio.current_task
+
+
+def asyncio_loop() -> asyncio.AbstractEventLoop | None:
+    """The asyncio loop whose task runs here, or None: trio (trio as the guest of an
+    asyncio loop too, whose steps run in the host loop's callbacks, outside its
+    tasks), or a thread with no loop."""
+    loop = _running_loop()
+    return loop if loop is not None and asyncio_task(loop) is not None else None
+
+
 def running_loop(owner: Owner) -> asyncio.AbstractEventLoop | None:
-    """The asyncio loop running in this thread, or None (trio, a thread of its own).
+    """The asyncio loop whose task runs here, or None (`asyncio_loop`).
 
     asyncio's own lookup costs a system call (getpid, against a fork) every time;
     a call's path needs it two or three times. A loop of asyncio's runs in the
@@ -126,7 +141,7 @@ def running_loop(owner: Owner) -> asyncio.AbstractEventLoop | None:
     loop = owner._loop
     if loop is not None and loop._thread_id == _ident():  # type: ignore[attr-defined]
         return loop
-    loop = _running_loop()
+    loop = asyncio_loop()
     owner._loop = loop if isinstance(loop, asyncio.BaseEventLoop) else None
     return loop
 
@@ -423,8 +438,8 @@ class Call:
                 poller, loop = owner._poller, owner._loop  # (`running_loop`, its common case)
                 if loop is None or loop._thread_id != _ident():  # type: ignore[attr-defined]
                     loop = _running_loop()  # (None on trio: no Python call to find that)
-                    if loop is not None:
-                        loop = running_loop(owner)  # asyncio's: kept for the next call
+                    if loop is not None:  # asyncio's (kept for the next call), unless
+                        loop = running_loop(owner)  # trio runs as its guest
                 if poller is None and loop is not None:  # asyncio: the future wakes (`_wake`)
                     future = loop.create_future()
                     lock = self._lock

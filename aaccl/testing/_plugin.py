@@ -9,7 +9,6 @@ its loop, anyio's plugin on its backend), and where none does, this plugin runs 
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import io
@@ -27,6 +26,7 @@ import aaccl
 
 from ..api import open_world
 from ..api._world import _mpi_rank_and_size
+from ..devices._call import asyncio_loop
 from . import _emulator
 from ._plan import MISSING, MarkerError, Plan, merged, plan
 from ._ranks import run_world
@@ -310,11 +310,7 @@ def _check_backend(checked: Plan) -> None:
 
 def _running_library() -> str:
     """The event loop running this coroutine (as aaccl's bridge tells them apart)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return "trio"
-    return "asyncio"
+    return "trio" if asyncio_loop() is None else "asyncio"
 
 
 def _describe(item: pytest.Function, exc: BaseException) -> str:
