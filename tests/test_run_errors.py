@@ -15,7 +15,7 @@ import aaccl
 from aaccl import CCLOError, ErrorCode, RankErrors, ReduceFunction
 from aaccl._errors import RemoteError, same_error
 from aaccl._ranks import ranges, without_ranks
-from aaccl.api._world import _failure
+from aaccl.api._world import _failure, _portable, _rebuilt
 
 REPEATS = 50
 SUM = ReduceFunction.SUM
@@ -197,6 +197,29 @@ def test_the_rule_is_the_same_for_errors_from_other_processes() -> None:
     assert isinstance(differing, RankErrors)
     copy = pickle.loads(pickle.dumps(differing))
     assert str(copy) == str(differing) and sorted(copy.errors) == [0, 1]
+
+
+def test_what_an_abort_did_to_a_chain_is_the_abort_in_every_process() -> None:
+    """A rank that awaited the end of a chain when another rank raised fails with a
+    DependencyError whose root is the Aborted its first call got (over MPI): that is
+    the abort, not an error of its own, in its process and once it travelled to
+    another (pickling leaves an error's `__cause__` behind: the root travels along)."""
+    for travelled in (False, True):
+        aborted = aaccl.Aborted("allreduce (rank 0, call 1) was aborted: rank 2 left")
+        chained = aaccl.DependencyError("allreduce (rank 0, call 2) did not run")
+        chained.__cause__ = aborted
+        if travelled:
+            chained = _rebuilt(*_portable(chained))  # type: ignore[assignment]
+            assert isinstance(chained, aaccl.DependencyError)
+            assert isinstance(chained.__cause__, aaccl.Aborted)
+        boom = RuntimeError("boom")
+        error = _failure({0: chained, 1: aaccl.Aborted("rank 2 left"), 2: boom},
+                         mine=2 if travelled else None)
+        assert error is boom
+        assert "rank 2 raised this; ranks 0, 1 were aborted" in notes(error)[0]
+    # where every rank was aborted, the aborts are all there is to say
+    every = _failure({0: chained, 1: aaccl.Aborted("rank 2 left")})
+    assert isinstance(every, RankErrors) and sorted(every.errors) == [0, 1]
 
 
 def test_process_rank_and_count_in_process(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,6 +25,7 @@ from .._errors import Aborted, ACCLError, RankErrors, RemoteError, same_error
 from .._ranks import ranges
 from .._threads import quietly, signals_wake_loop
 from ..devices import Device
+from ..devices._call import root_cause
 from ..devices._emulator import DEFAULT_PORT, EmulatorDevice
 from ..driver import STACKS, Driver, check_buffers
 from ..driver._driver import _add_note
@@ -577,12 +578,14 @@ def run(main: Callable[[ACCL], Awaitable[T]], world_size: int | None = None, *,
 
 def _failure(errors: dict[int, BaseException], mine: int | None = None) -> BaseException:
     """The one error `run` raises for ranks that failed: the ranks' own errors, not
-    the `Aborted` they caused elsewhere (unless every rank was aborted); as itself
+    the `Aborted` they caused elsewhere, nor the `DependencyError` of a call whose
+    dependency was aborted (unless every rank was aborted); as itself
     when they are all the same error (`same_error`), with a note naming the ranks:
     this process's rank's (`mine`) if it is one of them, else the lowest rank's;
     else `RankErrors`. Deterministic: which ranks got as far as their own error may
     vary from run to run, what they failed with does not."""
-    own = {r: e for r, e in errors.items() if not isinstance(e, Aborted)} or errors
+    own = {r: e for r, e in errors.items()  # (a call whose dependency was aborted too)
+           if not isinstance(root_cause(e), Aborted)} or errors
     if len({same_error(e) for e in own.values()}) > 1:
         failure: BaseException = RankErrors(own)
         if mine is not None:
@@ -630,31 +633,47 @@ def _stopping(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
     return None
 
 
-def _portable(error: BaseException) -> tuple[str, str, bytes | None]:
+def _portable(error: BaseException) -> tuple[str, str, bytes | None, bytes | None]:
     """A rank's error as it travels to the other processes: its one-line text, what
-    it is the same as, and itself pickled (where it pickles)."""
+    it is the same as, itself pickled (where it pickles), and the failure it comes
+    from (`root_cause`: a DependencyError's), pickled, where that is another error
+    (pickling an error leaves its `__cause__` behind)."""
+    root = root_cause(error)
+    text = f"{type(error).__name__}: {error}"
+    return (text, same_error(error), _pickled(error),
+            _pickled(root) if root is not None and root is not error else None)
+
+
+def _pickled(error: BaseException) -> bytes | None:
     import pickle
 
-    text = f"{type(error).__name__}: {error}"
     try:
-        pickled: bytes | None = pickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:
-        pickled = None
-    return text, same_error(error), pickled
+        return None
 
 
-def _rebuilt(text: str, kind: str, pickled: bytes | None) -> BaseException:
+def _rebuilt(text: str, kind: str, pickled: bytes | None,
+             root: bytes | None = None) -> BaseException:
     """Another process's rank's error, from `_portable`."""
     import pickle
 
+    error: BaseException = RemoteError(text, kind)
     if pickled is not None:
         try:
-            error = pickle.loads(pickled)
-            if isinstance(error, BaseException) and same_error(error) == kind:
-                return error  # (a changed message, say, would change what it matches)
+            theirs = pickle.loads(pickled)
+            if isinstance(theirs, BaseException) and same_error(theirs) == kind:
+                error = theirs  # (a changed message, say, would change what it matches)
         except Exception:
             pass
-    return RemoteError(text, kind)
+    if root is not None:
+        try:
+            cause = pickle.loads(root)
+        except Exception:
+            cause = None
+        if isinstance(cause, BaseException):
+            error.__cause__ = cause
+    return error
 
 
 def _why(exc: BaseException) -> str:
