@@ -446,8 +446,6 @@ Ctrl-C, SystemExit) begins: that process gathers no results (`_gather_results`).
 @asynccontextmanager
 async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: float,
                      in_order: bool, stack: str = "tcp") -> AsyncIterator[list[ACCL]]:
-    from ..soft import MPIFabric
-
     stop_listening = listen_for_lost_processes()
     try:
         MPI = import_mpi()
@@ -455,7 +453,7 @@ async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: 
         if world_size is not None and world_size != size:
             raise ValueError(f"world_size={world_size}, but this MPI job has {size} processes")
         check_buffers(nbufs, bufsize, size)
-        fabric = MPIFabric(MPI.COMM_WORLD, nbufs, bufsize)
+        fabric = await _open_fabric(MPI.COMM_WORLD, nbufs, bufsize, timeout)
         wait: float | None = timeout  # for the peers, on closing (see below)
         try:
             dev = SoftDevice(fabric.rank, fabric.port(fabric.rank), in_order=in_order)
@@ -483,6 +481,61 @@ async def _mpi_world(world_size: int | None, nbufs: int, bufsize: int, timeout: 
                 await anyio.to_thread.run_sync(quietly(fabric.close), wait)
     finally:
         stop_listening()
+
+
+async def _open_fabric(comm: Any, nbufs: int, bufsize: int, timeout: float) -> MPIFabric:
+    """This process's MPI fabric, on `comm` (COMM_WORLD), opened nonblocking
+    (`opening`): MPI's blocking `Comm.Dup` would wait forever for a rank that never
+    comes. Every process of the job must come; a rank that comes early waits for the
+    others however long their own code takes (reading their data, say), as long as
+    their processes live: it fails at once, naming them, when a process of the job is
+    known to have ended (the launcher said so, before or during the wait; hydra's
+    SIGUSR1; the pid, on this machine, of a rank that the last world found there).
+    Once every rank has come, the rest of the opening is MPI's own work, bounded by
+    `timeout` (a rank may give up meanwhile: its opening cancelled). An opening given
+    up on leaves its MPI requests pending (`abandon`)."""
+    from ..soft.fabric import _mpi
+
+    me = comm.Get_rank()
+    news = ended_ranks()  # what the launcher said while no world of ours listened
+    if news:
+        MPIFabric.process_lost("; ".join(f"rank {rank} left the world: {how}"
+                                         for rank, how in sorted(news.items())), news)
+
+    def why_not(gone: str | None) -> str:
+        if gone is None:
+            return (f"rank {me} waited {timeout:g} s for the other ranks of the MPI job "
+                    "to finish opening the world (open_world) after every rank had come "
+                    "to it (MPI does not say which is missing: one gave up, or its "
+                    "opening was cancelled)")
+        return (f"rank {me} cannot open its MPI world (open_world): {gone}; a world opens "
+                "only once every process of the job comes to open it")
+
+    gone = _mpi.gone_before_opening()
+    if gone is not None:  # nothing is started in MPI that could never finish
+        raise ACCLError(why_not(gone))
+    made: list[tuple[Any, Any, Any]] = []
+    steps = _mpi.opening(comm, made)
+    deadline = math.inf  # until every rank has come: as long as their processes live
+    try:
+        request = next(steps)
+        while True:
+            while not request.Test():
+                gone = _mpi.gone_before_opening()
+                if gone is not None or time.monotonic() > deadline:
+                    time.sleep(0.05)  # one last look: it may have come meanwhile
+                    if request.Test():
+                        break
+                    raise ACCLError(why_not(gone))
+                await anyio.sleep(0.002)
+            if deadline == math.inf:  # every rank came
+                deadline = time.monotonic() + timeout
+            request = steps.send(None)
+    except StopIteration as end:
+        return MPIFabric(comm, nbufs, bufsize, end.value)
+    except BaseException:
+        _mpi.abandon(made)
+        raise
 
 
 def run(main: Callable[[ACCL], Awaitable[T]], world_size: int | None = None, *,

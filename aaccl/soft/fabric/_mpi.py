@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import hashlib
 import itertools
 import math
 import os
@@ -132,8 +133,17 @@ def _payload_tag(msg_id: int) -> int:
 class MPIFabric:
     """This process's end of an MPI world of soft CCLOs (one rank per process)."""
 
-    def __init__(self, comm: Any, nbufs: int, bufsize: int) -> None:
-        self.comm = comm.Dup()  # a communicator of our own: no clash with the user's MPI
+    def __init__(self, comm: Any, nbufs: int, bufsize: int,
+                 opened: Opened | None = None) -> None:
+        """`opened`: what `opening(comm)` made, waited for by the caller (nonblocking:
+        `aaccl.open_world`); without it, made here, in MPI's blocking waits."""
+        if opened is None:
+            opened = _wait_all(opening(comm, []))
+        # a communicator of our own (no clash with the user's MPI), the lane's (below),
+        # and the peers whose processes this one can watch (same kernel, same pid
+        # namespace)
+        self.comm, lane_comm, self._neighbours = opened
+        _job_pids.update(self._neighbours)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.engine = Engine(f"mpi-{self.rank}")
         self.inbox = Inbox()
@@ -175,15 +185,9 @@ class MPIFabric:
         self._mpi, self._byte, self._status = MPI, MPI.BYTE, MPI.Status()
         self._fetch_status = MPI.Status()
         # the world's collectives run as MPI collectives, on a communicator of their own
-        self.lane: Lane | None = None
-        if self.size > 1 and os.environ.get("AACCL_MPI_COLLECTIVES", "1") != "0":
-            self.lane = Lane(self.comm.Dup(), self.engine, _ended)
+        self.lane: Lane | None = \
+            None if lane_comm is None else Lane(lane_comm, self.engine, _ended)
         self.world_key = tuple(range(self.size))
-        # the peers whose processes this one can watch (same kernel, same pid namespace)
-        here = _machine()
-        self._neighbours = {rank: pid for rank, (machine, pid)
-                            in enumerate(self.comm.allgather((here, os.getpid())))
-                            if machine == here and rank != self.rank}
         self._next_look = 0.0  # when `missing` next reads their pids
         _open.add(self)
         _exit_last()
@@ -1004,8 +1008,10 @@ def _at_exit() -> None:
             fabric.lane.close(free=False)  # (its inactive MPI request is freed before MPI_Finalize)
     with _closing:  # and none frees its communicators while MPI is finalized
         _closing.wait_for(lambda: _closes == 0, JOIN_LIMIT)
-    error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
     MPI = sys.modules.get("mpi4py.MPI")
+    if _abandoned and MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        _reap()
+    error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
     if not isinstance(error, KeyboardInterrupt) or MPI is None \
             or not _JOB_VARIABLES.intersection(os.environ) \
             or not MPI.Is_initialized() or MPI.Is_finalized():
@@ -1026,6 +1032,101 @@ def _at_exit() -> None:
 _JOB_VARIABLES = frozenset(("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
 SETTLE = 0.05
 """Seconds a closing rank still takes what a peer that just ended had sent it."""
+
+
+Opened = tuple[Any, Any, dict[int, int]]
+"""What a fabric's opening makes: its communicator, its lane's (or None), and the pids
+of the peers on this machine, by rank."""
+_job_pids: dict[int, int] = {}
+"""The pids of this job's processes on this machine, by rank, as the last world that
+opened found them: a later opening knows that a rank whose process is gone never comes."""
+_abandoned: list[list[tuple[Any, Any, Any]]] = []
+"""Openings given up on (a peer never came, or the opening was cancelled): what they
+started, (communicator made or None, its request, what the request reads and writes), kept until MPI has
+completed every one of them (when the late peers come) and then freed (`_reap`):
+MPI_Finalize warns of a communicator never freed."""
+_MACHINE = 20  # bytes of a machine's digest in the opening's allgather (then the pid)
+
+
+def opening(comm: Any, made: list[tuple[Any, Any, Any]]) -> Generator[Any, None, Opened]:
+    """A fabric's communicators, made from `comm` one nonblocking step at a time, so
+    that the rank waiting for a peer that never comes can give up (and say why) where
+    MPI's blocking `Comm.Dup` would wait forever: yields each MPI request to wait for.
+
+    First a duplicate of `comm` (every process of `comm` must come); then, on it,
+    together, the lane's own duplicate and an allgather of where each rank runs.
+    Every rank starts the same collectives in the same order, so an opening given up
+    on (see `abandon`) leaves `comm` in order: a late peer's opening matches it, and
+    the next opening of every rank matches the next. `made` gets what each step
+    starts, as it starts it (see `_abandoned`)."""
+    _reap()
+    own, request = comm.Idup()
+    made.append((own, request, None))
+    yield request
+    rank, size = own.Get_rank(), own.Get_size()
+    lane_comm, requests = None, []
+    if size > 1 and os.environ.get("AACCL_MPI_COLLECTIVES", "1") != "0":
+        lane_comm, lane_request = own.Idup()
+        made.append((lane_comm, lane_request, None))
+        requests.append(lane_request)
+    here = hashlib.sha1(repr(_machine()).encode()).digest()
+    mine = np.frombuffer(bytearray(here + os.getpid().to_bytes(8, "little")), np.uint8)
+    everyone = np.empty((size, mine.size), np.uint8)
+    requests.append(own.Iallgather(mine, everyone))
+    made.append((None, requests[-1], (mine, everyone)))
+    for request in requests:  # (all started: waited for one after the other)
+        yield request
+    neighbours = {r: int.from_bytes(row[_MACHINE:].tobytes(), "little")
+                  for r, row in enumerate(everyone)
+                  if row[:_MACHINE].tobytes() == here and r != rank}
+    return own, lane_comm, neighbours
+
+
+def _wait_all(steps: Generator[Any, None, Opened]) -> Opened:
+    """Run `opening`'s steps in MPI's blocking waits."""
+    try:
+        request = next(steps)
+        while True:
+            request.Wait()
+            request = steps.send(None)
+    except StopIteration as end:
+        return end.value
+
+
+def abandon(made: list[tuple[Any, Any, Any]]) -> None:
+    """An opening given up on: what it `made` stays alive until MPI is done with it
+    (`_abandoned`), and the exit of this process is watched (MPI_Finalize may wait for
+    its requests)."""
+    _abandoned.append(made)
+    watch_exit()
+    _exit_last()  # (`_at_exit` frees what MPI completed by then)
+
+
+def _reap() -> None:
+    """Free the communicators of abandoned openings that MPI has completed (their late
+    peers came, and gave up in turn)."""
+    for made in list(_abandoned):
+        if all(_finished(request) for _, request, _ in made):
+            _abandoned.remove(made)
+            for comm, _, _ in made:
+                if comm is not None:
+                    try:
+                        comm.Free()
+                    except _mpi_exception():
+                        pass
+
+
+def gone_before_opening() -> str | None:
+    """Why a rank of this job will never come to a world's opening, as far as this
+    process can tell: a process of the job is known to have ended (`process_lost`),
+    or one whose pid the last world found on this machine is gone."""
+    if _dead:
+        return ", ".join(f"rank {rank} ended: {how}" for rank, how in sorted(_dead.items()))
+    if _ended:
+        return _ended[0]
+    gone = [f"rank {rank}'s process (pid {pid}) ended"
+            for rank, pid in sorted(_job_pids.items()) if not _alive(pid)]
+    return ", ".join(gone) or None
 
 
 def _machine() -> tuple[str, str]:
