@@ -1042,9 +1042,9 @@ _job_pids: dict[int, int] = {}
 opened found them: a later opening knows that a rank whose process is gone never comes."""
 _abandoned: list[list[tuple[Any, Any, Any]]] = []
 """Openings given up on (a peer never came, or the opening was cancelled): what they
-started, (communicator made or None, its request, what the request reads and writes), kept until MPI has
-completed every one of them (when the late peers come) and then freed (`_reap`):
-MPI_Finalize warns of a communicator never freed."""
+started, (communicator made or None, its request, what the request reads and writes),
+kept until MPI has completed every one of them (when the late peers come) and then
+freed (`_reap`): MPI_Finalize warns of a communicator never freed."""
 _MACHINE = 20  # bytes of a machine's digest in the opening's allgather (then the pid)
 
 
