@@ -268,6 +268,52 @@ def test_the_board_holds_every_rank_until_all_reported(
     assert Launcher.connect(0, os.getpid()) is None  # not under aaccl launch
 
 
+def test_the_board_ends_the_ranks_still_running_a_grace_after_a_failure(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rank 1's program failed: rank 0, which never learns of it (stuck in MPI_Init,
+    say), is told to stop `grace` seconds later, and the job's status is rank 1's."""
+    with Board(2, grace=0.3) as board:
+        stopped = threading.Event()
+        for name, value in board.env.items():
+            monkeypatch.setenv(name, value)
+        rank0 = Launcher.connect(0, os.getpid(), on_stop=stopped.set)
+        rank1 = Launcher.connect(1, os.getpid())
+        assert rank0 is not None and rank1 is not None
+        failed = time.monotonic()
+        threading.Thread(target=rank1.finish, args=(3,), daemon=True).start()
+        assert stopped.wait(10), "rank 0 was never told to stop"
+        assert time.monotonic() - failed >= 0.3  # not before the grace
+        stopping = threading.Thread(target=rank0.finish, args=(128 + 15,))
+        stopping.start()
+        assert _reported(board, 2) == [1, 3]  # rank 0's SIGTERM counts as a failure: 1
+        assert board.ended == {0}
+        stopping.join(timeout=10)
+    assert ("rank 1's program exited with status 3; rank 0 still runs 0.3 s later: "
+            "ending it (SIGTERM") in capsys.readouterr().err
+
+
+def test_the_board_ends_nobody_when_every_rank_succeeds_or_is_done(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that exits 0 starts no grace; a failure after every other rank is done
+    ends nobody."""
+    with Board(2, grace=0.0) as board:
+        stopped = threading.Event()
+        for name, value in board.env.items():
+            monkeypatch.setenv(name, value)
+        rank0 = Launcher.connect(0, os.getpid(), on_stop=stopped.set)
+        rank1 = Launcher.connect(1, os.getpid(), on_stop=stopped.set)
+        assert rank0 is not None and rank1 is not None
+        first = threading.Thread(target=rank0.finish, args=(0,))
+        first.start()
+        assert _reported(board, 1) == [0]
+        second = threading.Thread(target=rank1.finish, args=(2,))
+        second.start()
+        assert _reported(board, 2) == [0, 2]
+        first.join(timeout=10)
+        second.join(timeout=10)
+        assert not stopped.is_set() and board.ended == set()
+
+
 def test_a_board_that_closes_lets_its_ranks_go(monkeypatch: pytest.MonkeyPatch) -> None:
     """mpiexec ended (or the launcher was interrupted) before every rank reported."""
     with Board(2) as board:

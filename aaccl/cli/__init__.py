@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from .. import __version__
 from . import _bench, _compare, _info
 from ._launch import command, find_mpiexec, launch
+from ._statuses import FAILURE_GRACE
 
 __all__ = ["command", "find_mpiexec", "launch", "main"]
 
@@ -21,6 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = commands.add_parser(
         "launch", help="run a program as N ranks, one process each, with mpiexec",
         usage="aaccl launch [-h] -n N [-l] [--hostfile HOSTFILE] [--mpiexec MPIEXEC]\n"
+              "                    [--grace SECONDS]\n"
               "                    (script.py | -m module | -c code) [arg ...]",
         description="Run a Python program as N ranks, one process each, with the installed "
                     "mpiexec; in it, aaccl.run(main) runs the process's own rank. As with "
@@ -32,6 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "(mpiexec's -prepend-rank)")
     run.add_argument("--hostfile", help="hosts to run on (mpiexec's hostfile format)")
     run.add_argument("--mpiexec", help="the mpiexec to use (default: the installed one)")
+    run.add_argument("--grace", type=float, default=FAILURE_GRACE, metavar="SECONDS",
+                     help="once a rank's program has failed, end the ranks still running "
+                          f"this long after (default {FAILURE_GRACE:g}; inf: never)")
     source = run.add_mutually_exclusive_group()
     source.add_argument("-m", dest="module", nargs=argparse.REMAINDER,
                         help="run a module as the program, as python -m module [arg ...]")
@@ -102,7 +107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             program = [flag, *given, *args.program]
     if not program:
         run.error("name the program to run")
-    return launch(args.nprocs, program, args.hostfile, args.mpiexec, args.prepend_rank)
+    if not args.grace >= 0:
+        run.error("--grace must be at least 0")
+    return launch(args.nprocs, program, args.hostfile, args.mpiexec, args.prepend_rank,
+                  args.grace)
 
 
 if __name__ == "__main__":

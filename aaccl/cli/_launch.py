@@ -12,7 +12,7 @@ from pathlib import Path
 
 from . import _shm
 from ._rank import WHOLE_LINES, missing
-from ._statuses import Board
+from ._statuses import FAILURE_GRACE, Board
 
 
 def find_mpiexec(explicit: str | None = None) -> str:
@@ -133,8 +133,10 @@ def _from_the_terminal() -> bool:
 
 
 def launch(nprocs: int, program: Sequence[str], hostfile: str | None = None,
-           mpiexec: str | None = None, prepend_rank: bool = False) -> int:
-    """Run the ranks; return the job's exit status (see `job_status`)."""
+           mpiexec: str | None = None, prepend_rank: bool = False,
+           grace: float = FAILURE_GRACE) -> int:
+    """Run the ranks; return the job's exit status (see `job_status`). `grace`: seconds
+    the ranks still running get to end on their own once a rank has failed (`Board`)."""
     cannot = None if hostfile is not None or program[0] == "-m" else missing(list(program))
     if cannot is not None:  # what python says, once (on other machines, each rank says it)
         print(f"aaccl launch: {cannot[0]}", file=sys.stderr)
@@ -143,7 +145,7 @@ def launch(nprocs: int, program: Sequence[str], hostfile: str | None = None,
     cmd = command(exe, nprocs, program, hostfile, is_hydra(exe), prepend_rank)
     interrupted = False
     segments = _shm.segments()  # MPICH's, before the job: those it leaves go after it
-    with Board(nprocs) as board:
+    with Board(nprocs, grace) as board:
         # With SIGPIPE ignored (as in Python), hydra sees EPIPE when it writes to the
         # proxy of a rank that already exited, instead of dying of the signal.
         if sys.platform.startswith("linux"):  # (prctl is Linux's)

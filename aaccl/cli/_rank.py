@@ -43,12 +43,13 @@ import os
 import runpy
 import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ._statuses import PEERS_VARIABLE, Launcher
+from ._statuses import KILL_AFTER, PEERS_VARIABLE, Launcher
 
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 # torchrun's names for what each launcher calls its own way: MPICH's (hydra), Open MPI's
@@ -341,11 +342,27 @@ def main(argv: list[str]) -> None:
         except OSError:  # the program is gone, or never reads the pipe: it is full
             pass
 
+    done = threading.Event()  # the program has been waited for: its pid is not ours
+
+    def stop() -> None:
+        """The launcher ends the program (another rank failed a while ago): SIGTERM,
+        then SIGKILL if it is still there KILL_AFTER seconds later."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if done.is_set():
+                return
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                return
+            done.wait(KILL_AFTER)
+
     proxy = os.getppid()
     rank = _rank()
     # connected after the fork: the program must not inherit the connection
-    launcher = Launcher.connect(int(rank), proxy, ended) if rank.isdigit() else None
+    launcher = Launcher.connect(int(rank), proxy, ended, lambda: threading.Thread(
+        target=stop, name="aaccl-stop", daemon=True).start()) if rank.isdigit() else None
     status = supervise(pid, proxy)
+    done.set()
     if launcher is not None:
         launcher.finish(status)
     # not through the interpreter's exit: what the program's imports left (threads of

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import selectors
 import socket
 import sys
@@ -41,6 +42,22 @@ CONNECT_TIMEOUT = 2.0  # per address a rank tries: the launcher answers at once 
 GRACE = 2.0  # how long the launcher waits for reports still in flight once mpiexec ended
 LATE = 60.0  # a rank not connected this long after the first report is taken as absent
 GO = b"go\n"
+FAILURE_GRACE = 5.0
+"""Seconds the ranks still running get, once a rank's program has failed (a non-zero
+status), to end on their own before the launcher ends them (`Board`)."""
+KILL_AFTER = 5.0
+"""Seconds a program the launcher ended with SIGTERM has before its supervisor sends
+SIGKILL."""
+
+
+def how(status: int) -> str:
+    """An exit status in words (128 + N: killed by signal N)."""
+    if status > 128:
+        try:
+            return f"was killed by {signal.Signals(status - 128).name}"
+        except ValueError:
+            return f"was killed by signal {status - 128}"
+    return f"exited with status {status}"
 
 
 @dataclass
@@ -58,10 +75,22 @@ class Board:
     """The launcher's side: a listening socket and a thread that serves the ranks.
 
     Use as a context manager around the job; `env` goes into the ranks' environment.
-    Leaving it lets every supervisor still held go."""
+    Leaving it lets every supervisor still held go.
 
-    def __init__(self, nprocs: int) -> None:
+    Once a rank's program has failed (a non-zero status, told to the others at once),
+    the ranks still running get `grace` seconds to end on their own (an open aaccl
+    world fails its calls within milliseconds and its program exits); then the
+    launcher tells their supervisors to end them (SIGTERM, SIGKILL KILL_AFTER seconds
+    later), and says so. A rank that cannot learn of the failure would otherwise run
+    forever: MPI_Init waits for every process of the job, and a process that exits
+    before it starts MPI makes hydra wait forever too."""
+
+    def __init__(self, nprocs: int, grace: float = FAILURE_GRACE) -> None:
         self.nprocs = nprocs
+        self.grace = grace
+        self.failed: tuple[int, int, float] | None = None  # the first (rank, status, when)
+        self.ended: set[int] = set()  # the ranks this launcher ended
+        self._conns: dict[int, socket.socket] = {}
         self._token = secrets.token_hex(8)
         self._ranks: dict[int, _Rank] = {}
         self._held: list[socket.socket] = []
@@ -99,7 +128,10 @@ class Board:
                 if left <= 0:
                     break
                 self._changed.wait(left)
-            return [r.status for r in self._ranks.values() if r.status is not None]
+            # a rank this launcher ended counts as failed, not as its signal: the job's
+            # status is the failure's that made it end them
+            return [min(r.status, 1) if rank in self.ended else r.status
+                    for rank, r in self._ranks.items() if r.status is not None]
 
     def _missing(self) -> bool:
         return sum(r.done for r in self._ranks.values()) < self.nprocs
@@ -120,7 +152,10 @@ class Board:
         ranks: dict[socket.socket, int] = {}
         released = False
         while not self._closing:
-            for key, _ in sel.select(timeout=1.0):
+            wait = 1.0
+            if self.failed is not None and not self.ended:
+                wait = min(wait, max(0.0, self.failed[2] + self.grace - time.monotonic()))
+            for key, _ in sel.select(timeout=wait):
                 sock = key.fileobj
                 if sock is self._wake_r:
                     continue
@@ -154,6 +189,7 @@ class Board:
                     self._held.remove(sock)
                 sock.close()
             with self._changed:
+                self._end_the_rest(time.monotonic())
                 if not released and self._held and self._settled(time.monotonic()):
                     released = True
                     self._warn_absent()
@@ -163,6 +199,27 @@ class Board:
             sel.unregister(sock)
             sock.close()
         sel.close()
+
+    def _end_the_rest(self, now: float) -> None:
+        """`grace` seconds after a rank failed: end the ranks still running."""
+        if self.failed is None or self.ended or now < self.failed[2] + self.grace:
+            return
+        running = sorted(rank for rank, r in self._ranks.items() if not r.done)
+        if not running:
+            return
+        self.ended.update(running)
+        rank, status, _ = self.failed
+        names = ", ".join(map(str, running[:10])) + (" ..." if len(running) > 10 else "")
+        print(f"aaccl launch: rank {rank}'s program {how(status)}; "
+              f"{'rank' if len(running) == 1 else 'ranks'} {names} still "
+              f"{'runs' if len(running) == 1 else 'run'} {self.grace:g} s later: ending "
+              f"{'it' if len(running) == 1 else 'them'} (SIGTERM, then SIGKILL "
+              f"{KILL_AFTER:g} s later; --grace sets how long to wait)", file=sys.stderr)
+        for each in running:
+            try:
+                self._conns[each].sendall(f"{self._token} stop {each}\n".encode())
+            except (KeyError, OSError):
+                pass
 
     def _warn_absent(self) -> None:
         absent = sorted(set(range(self.nprocs)) - set(self._ranks))
@@ -182,11 +239,14 @@ class Board:
             if kind == "hello" and 0 <= rank < self.nprocs:
                 ranks[sock] = rank
                 self._ranks[rank] = _Rank()
+                self._conns[rank] = sock
             elif kind == "status" and ranks.get(sock) == rank:
                 self._ranks[rank].status = status
                 self._held.append(sock)
                 if self._first_report is None:
                     self._first_report = time.monotonic()
+                if status and self.failed is None:
+                    self.failed = (rank, status, time.monotonic())
                 news = f"{self._token} ended {rank} {status}\n".encode()
                 for other in ranks if status else ():
                     # the others' programs learn who ended abnormally, and how (a
@@ -220,13 +280,13 @@ def listen() -> socket.socket:
 
 def parse(token: str, line: bytes) -> tuple[str, int, int] | None:
     """A message, `TOKEN hello RANK` or `TOKEN status RANK STATUS` (a rank's), or
-    `TOKEN ended RANK STATUS` (the launcher's), as (kind, rank, status); None for
-    anything else."""
+    `TOKEN ended RANK STATUS` or `TOKEN stop RANK` (the launcher's), as (kind, rank,
+    status); None for anything else."""
     parts = line.decode("ascii", "replace").split()
     if len(parts) < 3 or parts[0] != token or not all(p.isdigit() for p in parts[2:]):
         return None
-    if parts[1] == "hello" and len(parts) == 3:
-        return "hello", int(parts[2]), 0
+    if parts[1] in ("hello", "stop") and len(parts) == 3:
+        return parts[1], int(parts[2]), 0
     if parts[1] in ("status", "ended") and len(parts) == 4:
         return parts[1], int(parts[2]), int(parts[3]) & 0xFF
     return None
@@ -254,19 +314,20 @@ class Launcher:
     """A supervisor's connection to `aaccl launch` (see the module's docstring)."""
 
     def __init__(self, conn: socket.socket, token: str, rank: int,
-                 on_ended: Callable[[int, int], None]) -> None:
+                 on_ended: Callable[[int, int], None],
+                 on_stop: Callable[[], None] = lambda: None) -> None:
         self._conn, self._token, self._rank = conn, token, rank
-        self._on_ended = on_ended
+        self._on_ended, self._on_stop = on_ended, on_stop
         self._released = threading.Event()
         threading.Thread(target=self._listen, name="aaccl-launcher", daemon=True).start()
 
     @classmethod
     def connect(cls, rank: int, proxy: int,
                 on_ended: Callable[[int, int], None] = lambda rank, status: None,
-                ) -> Launcher | None:
+                on_stop: Callable[[], None] = lambda: None) -> Launcher | None:
         """Say hello to the launcher, if this rank runs under one and reaches it;
         `on_ended(rank, status)` runs (on a thread of its own) whenever another
-        rank's program ends."""
+        rank's program ends, and `on_stop()` when the launcher ends this rank's."""
         port, _, rest = os.environ.get(VARIABLE, "").partition(":")
         token, _, hostname = rest.partition(":")
         if not port.isdigit() or not token:
@@ -286,7 +347,7 @@ class Launcher:
             except OSError:
                 conn.close()
                 continue
-            return cls(conn, token, rank, on_ended)
+            return cls(conn, token, rank, on_ended, on_stop)
         return None
 
     def _listen(self) -> None:
@@ -299,6 +360,8 @@ class Launcher:
                         self._released.set()
                     elif (message := parse(self._token, line)) and message[0] == "ended":
                         self._on_ended(message[1], message[2])
+                    elif message and message[0] == "stop" and message[1] == self._rank:
+                        self._on_stop()
         except OSError:
             pass
         self._released.set()  # the launcher is gone: nobody to wait for
