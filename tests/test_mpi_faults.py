@@ -420,3 +420,98 @@ def test_a_killed_launcher_takes_its_job_with_it(tmp_path: Path) -> None:
         procs.kill(job | procs.with_marker(marker) | ({proc.pid} if proc.poll() is None else set()))
         proc.wait()
         live.join(10)
+
+
+OPENINGS = """
+import sys, time
+import numpy as np
+import aaccl
+
+mode, me = sys.argv[1], aaccl.process_rank()
+
+
+async def main(accl):
+    data = accl.allocate(8, np.float32)
+    data[:] = 1
+    await accl.allreduce(data, data, 8, aaccl.ReduceFunction.SUM)
+    return float(data[0])
+
+
+if mode == "early" and me == 1:
+    time.sleep(0.2)  # rank 0 is in MPI's start-up (MPI_Init) by now
+    raise FileNotFoundError("input.npy")
+aaccl.run(main, timeout=1.0)
+if mode == "late" and me == 1:
+    time.sleep(3)  # its own code, longer than the timeout, before the next world
+if mode == "late" or me == 2:
+    started = time.monotonic()
+    try:
+        results = aaccl.run(main, timeout=5.0)
+    except aaccl.ACCLError as error:
+        print(f"reopen-failed rank={me} after={time.monotonic() - started:.2f}: {error}",
+              flush=True)
+        raise
+    print(f"reopened rank={me} results={results}", flush=True)
+"""
+
+
+def _openings(tmp_path: Path, mode: str, cmd: list[str],
+              ) -> tuple[subprocess.CompletedProcess[str], float, str]:
+    """Run OPENINGS's `mode` with `cmd`: the job, how long it took, what to show."""
+    assert MPIEXEC is not None
+    script = tmp_path / "openings.py"
+    script.write_text(OPENINGS)
+    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OPENBLAS_NUM_THREADS": "1"}
+    started = time.monotonic()
+    job = subprocess.run([*cmd, str(script), mode], check=False, capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=90, start_new_session=True,
+                         stdin=subprocess.DEVNULL)
+    took = time.monotonic() - started
+    explain = f"\nexit {job.returncode} after {took:.1f} s\n{job.stdout}\n{job.stderr[-3000:]}"
+    return job, took, explain
+
+
+@pytest.mark.parametrize("launcher", ["aaccl", "mpiexec"])
+def test_a_world_opened_after_its_peers_exited_fails_at_once(tmp_path: Path,
+                                                             launcher: str) -> None:
+    """Ranks 0 and 1 run one world and exit (status 0); rank 2 opens a second one: its
+    opening fails at once, naming a rank that is gone, where MPI's Comm.Dup waited for
+    them forever."""
+    assert MPIEXEC is not None
+    cmd = [MPIEXEC, "-n", "3", sys.executable] if launcher == "mpiexec" else \
+        [sys.executable, "-m", "aaccl", "launch", "-n", "3"]
+    job, took, explain = _openings(tmp_path, "reopen", cmd)
+    assert job.returncode != 0, explain
+    failed = re.search(r"reopen-failed rank=2 after=([\d.]+): rank 2 cannot open its MPI "
+                       r"world \(open_world\): (.*)", job.stdout)
+    assert failed, explain
+    assert float(failed[1]) < 3, explain  # (ranks 0 and 1 exit within about a second)
+    assert re.match(r"(rank [01]('s process \(pid \d+\))? ended|a process of this MPI job "
+                    r"ended)", failed[2]), explain
+    assert "reopened" not in job.stdout, explain
+    assert took < 30, explain
+
+
+def test_a_rank_late_to_open_its_world_is_waited_for(tmp_path: Path) -> None:
+    """Rank 1's own code takes 3 s between two worlds (timeout=1): the others wait for
+    it to open the second as long as its process lives, and the world works."""
+    job, took, explain = _openings(tmp_path, "late",
+                                   [sys.executable, "-m", "aaccl", "launch", "-n", "3"])
+    assert job.returncode == 0, explain
+    assert len(re.findall(r"reopened rank=\d results=\[3.0, 3.0, 3.0\]", job.stdout)) == 3, \
+        explain
+    assert took >= 3, explain
+
+
+def test_a_rank_that_fails_before_mpi_starts_ends_the_job(tmp_path: Path) -> None:
+    """Rank 1's program raises before it starts MPI, while rank 0 waits in MPI_Init for
+    it (forever: hydra does not end the job). `aaccl launch` ends rank 0 `--grace`
+    seconds after rank 1's failure, says so, and exits with rank 1's status."""
+    job, took, explain = _openings(tmp_path, "early", [
+        sys.executable, "-m", "aaccl", "launch", "-n", "2", "--grace", "1"])
+    assert job.returncode == 1, explain
+    assert "FileNotFoundError: input.npy" in job.stderr, explain
+    assert ("aaccl launch: rank 1's program exited with status 1; rank 0 still runs 1 s "
+            "later: ending it (SIGTERM") in job.stderr, explain
+    assert took < 20, explain
