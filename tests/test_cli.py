@@ -74,14 +74,16 @@ def test_prepend_rank_passes_the_launchers_own_option() -> None:
     (["-n", "2", "app.py", "-n", "3", "-m", "x"], ["app.py", "-n", "3", "-m", "x"]),
     (["-n", "2", "--", "-m", "pkg.app", "-l"], ["-m", "pkg.app", "-l"]),
     (["-l", "-n", "2", "app.py"], ["app.py"]),
+    (["-n", "2", "--grace", "1.5", "app.py", "--grace", "2"], ["app.py", "--grace", "2"]),
 ])
 def test_launch_reads_its_program_as_python_does(argv: list[str], program: list[str],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     launched: list[tuple] = []
     monkeypatch.setattr(aaccl.cli, "launch", lambda *args: launched.append(args) or 0)
     assert main(["launch", *argv]) == 0
-    ((nprocs, got, hostfile, mpiexec, prepend),) = launched
+    ((nprocs, got, hostfile, mpiexec, prepend, grace),) = launched
     assert (nprocs, got, hostfile, mpiexec, prepend) == (2, program, None, None, "-l" in argv[:1])
+    assert grace == (1.5 if "--grace" in argv else 5.0)
 
 
 @pytest.mark.parametrize(("argv", "says"), [
