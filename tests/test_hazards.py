@@ -839,3 +839,65 @@ async def test_on_pynq_an_overwrite_waits_for_the_earlier_result_to_reach_the_ho
     finally:
         await accl.aclose()
         fake.shutdown()
+
+
+# -- a host read that races with an earlier call's host result --------------------------
+
+RACE = "reads its input from host memory that an earlier allreduce of its rank"
+
+
+@pytest.mark.anyio
+async def test_a_host_input_that_an_earlier_call_is_yet_to_write_warns_at_its_line() -> None:
+    """A call that syncs in host memory an earlier call of its rank, still running,
+    syncs its result into reads whatever is there first: a race of the program's own
+    (host memory is the program's to order), said at the user's line, once per line."""
+    import warnings
+
+    async with aaccl.open_world(2) as (a, b):
+        bufs = [[accl.allocate(4, np.float32) for _ in range(3)] for accl in (a, b)]
+        (x, y, z), (u, v, w) = bufs
+        x[:], u[:] = 1, 2
+        first = a.allreduce(x, y, 4, SUM)  # rank 1 has not called: it is still running
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            racing = [a.allreduce(y, z, 4, SUM) for _ in range(20)]; line = _line()  # noqa: E702
+        assert [(str(w.message).startswith(f"this allreduce {RACE}"), w.filename, w.lineno)
+                for w in caught] == [(True, __file__, line)]
+        later = [b.allreduce(u, v, 4, SUM)] + [b.allreduce(v, w, 4, SUM) for _ in racing]
+        for call in [first, *racing, *later]:
+            await call
+        assert y[0] == 3
+
+
+@pytest.mark.anyio
+async def test_data_kept_on_the_device_or_an_awaited_call_do_not_warn() -> None:
+    import warnings
+
+    async with aaccl.open_world(2) as (a, b):
+        (x, y, z), (u, v, w) = [[accl.allocate(4, np.float32) for _ in range(3)]
+                                for accl in (a, b)]
+        x[:], u[:] = 1, 2
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            chain = [a.allreduce(x, y, 4, SUM, to_fpga=True),
+                     a.allreduce(y, z, 4, SUM, from_fpga=True)]  # y stays on the device
+            peer = [b.allreduce(u, v, 4, SUM, to_fpga=True),
+                    b.allreduce(v, w, 4, SUM, from_fpga=True)]
+            for call in chain + peer:
+                await call
+            assert z[0] == 6
+            x[:], u[:] = 5, 6
+            ends = [a.allreduce(x, y, 4, SUM), b.allreduce(u, v, 4, SUM)]
+            for call in ends:
+                await call
+            again = [a.allreduce(y, z, 4, SUM), b.allreduce(v, w, 4, SUM)]  # y's ended
+            for call in again:
+                await call
+        assert [w for w in caught if RACE in str(w.message)] == []
+        assert z[0] == 22
+
+
+def _line() -> int:
+    import sys
+
+    return sys._getframe(1).f_lineno

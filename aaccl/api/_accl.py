@@ -19,6 +19,7 @@ from .._constants import (GLOBAL_COMM, SUPPORTED_DTYPES, TAG_ANY, ReduceFunction
 from .._errors import DependencyError
 from .._threads import quietly
 from ..devices import Device, DeviceCall
+from ..devices._call import warn_at
 from ..driver import Driver
 from . import _bridge
 from . import _checks as check
@@ -99,6 +100,20 @@ def _in_memory(flags: int, src: tuple[Buffer, int] | None, dst: tuple[Buffer, in
 def _overlap(span: Span, spans: Sequence[Span]) -> bool:
     return any(span[0] == base and span[1] < end and start < span[2]
                for base, start, end in spans)
+
+
+def _warn_racing(call: Call, earlier: Sequence[Call]) -> None:
+    """`call` syncs in host memory that an earlier call, still running, syncs its
+    result into once it ends: what it reads depends on which comes first (the
+    program's race, which no order of the device's can settle: host memory is the
+    program's to order). Said at the user's line, once per line as warnings are: no
+    call numbers in the text, which would make each call's warning another."""
+    op, before = call.name.split(" (")[0], earlier[0].name.split(" (")[0]
+    warn_at(call._origin, f"this {op} reads its input from host memory that an earlier "
+            f"{before} of its rank, still running, writes its result into when it ends: "
+            "what it reads depends on which comes first. Await that call before this "
+            "one, or keep the data on the device (to_fpga=True there, from_fpga=True "
+            "here)")
 
 
 def _completion(call: Call) -> DeviceCall:
@@ -374,10 +389,10 @@ class ACCL:
         if (reads or writes) and (book._one is not None or book._regions or book._lone) \
                 and book.uses(reads, writes):
             waits = ordered = list(deps)
-            hazards, synced = self._order(deps, ordered, reads, writes, sync_in)
+            hazards, synced, racing = self._order(deps, ordered, reads, writes, sync_in)
             writes += synced
         else:
-            waits, hazards = deps, ()
+            waits, hazards, racing = deps, (), ()
             for region in sync_in:
                 region.sync_to_device()
         if start is not None:
@@ -406,6 +421,8 @@ class ACCL:
         call._name = (op, self._rank, self._ncalls,
                       "" if not comm_id else f", communicator {comm_id}")
         call._origin = (frame.f_code, frame.f_lasti, frame.f_globals)
+        if racing:
+            _warn_racing(call, racing)
         call._buffers, call._deps = buffers, deps + hazards if hazards else deps
         finish = None if sync_out is None else sync_out.sync_from_device
         pending = False
@@ -464,7 +481,7 @@ class ACCL:
 
     def _order(self, deps: tuple[Call, ...], waits: list[DeviceCall], reads: tuple[Span, ...],
                writes: tuple[Span, ...], sync_in: Sequence[Buffer] = (),
-               ) -> tuple[tuple[Call, ...], tuple[Span, ...]]:
+               ) -> tuple[tuple[Call, ...], tuple[Span, ...], tuple[Call, ...]]:
         """Results as if in order: the earlier unfinished calls a new call conflicts
         with (beyond its `deps`), added to its device `waits`.
 
@@ -476,7 +493,8 @@ class ACCL:
         and nothing waits.) Returns the hazards and the spans such jobs write, which
         count as the call's writes. An earlier call whose result is still to be
         synced to the host from memory this call writes is waited for whole
-        (`_completion`), not just its run on the device.
+        (`_completion`), not just its run on the device. Last, the earlier calls that
+        sync their result into host memory this call syncs in (`_warn_racing`).
         """
         regions = [(region, _spans((region, region.size))) for region in sync_in]
         book = self._hazards
@@ -485,7 +503,10 @@ class ACCL:
             blocked = [(region, span, book.conflicts(span, ())) for region, span in regions]
         device = self._driver.device
         synced: list[Span] = []
+        racing: list[Call] = []
         for region, span, writers in blocked:
+            racing += (w for w in writers if (out := self._syncs_out.get(w)) is not None
+                       and _overlap(out, span))
             data = np.asarray(region)
             if not writers:
                 if not book.uses(span):  # nobody uses that allocation now
@@ -513,7 +534,7 @@ class ACCL:
                 waits.append(_completion(call))
             elif call not in deps:
                 waits.append(call)
-        return tuple(c for c in conflicting if c not in deps), tuple(synced)
+        return tuple(c for c in conflicting if c not in deps), tuple(synced), tuple(racing)
 
     def _traced(self, op: str, engine: str, submitted: int) -> Callable[[Call], None]:
         """A traced call's `on_done`: records its run (before anyone is woken), then
