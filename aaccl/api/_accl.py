@@ -503,10 +503,7 @@ class ACCL:
             blocked = [(region, span, book.conflicts(span, ())) for region, span in regions]
         device = self._driver.device
         synced: list[Span] = []
-        racing: list[Call] = []
         for region, span, writers in blocked:
-            racing += (w for w in writers if (out := self._syncs_out.get(w)) is not None
-                       and _overlap(out, span))
             data = np.asarray(region)
             if not writers:
                 if not book.uses(span):  # nobody uses that allocation now
@@ -528,8 +525,12 @@ class ACCL:
             found += users
         conflicting = dict.fromkeys(found)
         written = (*writes, *synced)
+        taken = [s for _, span in regions for s in span]  # (the host data it syncs in)
+        racing: list[Call] = []
         for call in conflicting:
             out = self._syncs_out.get(call)
+            if out is not None and _overlap(out, taken):  # (a writer of what it reads)
+                racing.append(call)
             if out is not None and _overlap(out, written):
                 waits.append(_completion(call))
             elif call not in deps:

@@ -523,7 +523,7 @@ async def _open_fabric(comm: Any, nbufs: int, bufsize: int, timeout: float) -> M
             while not request.Test():
                 gone = _mpi.gone_before_opening()
                 if gone is not None or time.monotonic() > deadline:
-                    time.sleep(0.05)  # one last look: it may have come meanwhile
+                    await anyio.sleep(0.05)  # one last look: it may have come meanwhile
                     if request.Test():
                         break
                     raise ACCLError(why_not(gone))
